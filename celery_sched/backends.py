@@ -1,0 +1,53 @@
+"""The one place that builds concrete backends from settings.
+
+Everything else receives interfaces (:mod:`celery_sched.interfaces`), so unit
+tests can hand in the in-memory fakes instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from celery_sched.settings import Settings
+
+if TYPE_CHECKING:
+    import redis
+
+    from celery_sched.interfaces import Dispatcher, JobStore, LeaseBackend, Staging
+
+
+def build_store(settings: Settings) -> JobStore:
+    """The PostgreSQL job store (lazy: connects on first use)."""
+    from celery_sched.store.postgres import PostgresJobStore
+
+    return PostgresJobStore(settings)
+
+
+def build_redis(settings: Settings) -> redis.Redis:
+    """A Redis client for the lease and staging (lazy: connects on first use)."""
+    import redis as redis_lib
+
+    return redis_lib.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=max(1.0, settings.lease_ttl / 3),
+        socket_connect_timeout=max(1.0, settings.lease_ttl / 3),
+        health_check_interval=30,
+    )
+
+
+def build_lease(settings: Settings, client: redis.Redis | None = None) -> LeaseBackend:
+    from celery_sched.lease.redis import RedisLeaseBackend
+
+    return RedisLeaseBackend(client or build_redis(settings), prefix=settings.key_prefix)
+
+
+def build_staging(settings: Settings, client: redis.Redis | None = None) -> Staging:
+    from celery_sched.staging.redis import RedisStaging
+
+    return RedisStaging(client or build_redis(settings), prefix=settings.key_prefix)
+
+
+def build_dispatcher(app: Any, settings: Settings) -> Dispatcher:
+    from celery_sched.dispatch.kombu import KombuDispatcher
+
+    return KombuDispatcher(app, settings)

@@ -1,0 +1,113 @@
+"""The one exception hierarchy of celery_sched.
+
+Every error raised to callers derives from :class:`CelerySchedError`. Driver
+exceptions (psycopg, redis, kombu) are translated into these at the boundary of
+the module that owns the I/O; nothing above that boundary catches a driver
+exception. Each class's docstring is its default message.
+"""
+
+from __future__ import annotations
+
+
+class CelerySchedError(Exception):
+    """celery_sched failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+# -- configuration -----------------------------------------------------------
+
+
+class ConfigurationError(CelerySchedError, ValueError):
+    """celery_sched is misconfigured."""
+
+
+class InvalidURL(ConfigurationError):
+    """A connection URL is malformed."""
+
+
+# -- input validation (nothing is written when one of these is raised) -------
+
+
+class InvalidJob(CelerySchedError, ValueError):
+    """The job is invalid."""
+
+
+class UnknownTask(InvalidJob):
+    """The task name is not registered with the Celery app."""
+
+
+class InvalidArguments(InvalidJob):
+    """The task arguments cannot be serialized."""
+
+
+class PayloadTooLarge(InvalidJob):
+    """The serialized task payload is larger than the configured limit."""
+
+
+class UnknownOption(InvalidJob):
+    """An unknown scheduling option was given."""
+
+
+class InvalidTime(InvalidJob):
+    """The due time is invalid."""
+
+
+class AmbiguousTime(InvalidTime):
+    """The local time occurs twice in the timezone (clocks fall back)."""
+
+
+class NonExistentTime(InvalidTime):
+    """The local time does not exist in the timezone (clocks spring forward)."""
+
+
+class UnknownTimezone(InvalidJob, ConfigurationError):
+    """The timezone name is not known."""
+
+
+class InvalidSchedule(CelerySchedError, ValueError):
+    """The periodic schedule is invalid."""
+
+
+class DuplicateJob(CelerySchedError):
+    """A job with this key already exists."""
+
+    def __init__(self, message: str | None = None, *, key: str | None = None) -> None:
+        super().__init__(message or (f"a job with key {key!r} already exists" if key else None))
+        self.key = key
+
+
+# -- runtime -----------------------------------------------------------------
+
+
+class StoreError(CelerySchedError):
+    """The job store failed."""
+
+
+class StoreUnavailable(StoreError):
+    """The job store (PostgreSQL) cannot be reached."""
+
+
+class SchemaMissing(StoreError):
+    """The celery_sched schema is missing or out of date; run `celery -A proj sched migrate`."""
+
+
+class StaleEpoch(CelerySchedError):
+    """This process's leader epoch is no longer current; another leader took over."""
+
+
+class LeaseError(CelerySchedError):
+    """The leader lease failed."""
+
+
+class LeaseUnavailable(LeaseError):
+    """The lease backend (Redis) cannot be reached."""
+
+
+class StagingUnavailable(CelerySchedError):
+    """The staging area (Redis) cannot be reached."""
+
+
+class PublishError(CelerySchedError):
+    """Publishing to the broker failed."""

@@ -1,0 +1,259 @@
+"""The I/O interfaces of celery_sched, in one place.
+
+Each interface has one real backend module and one in-memory fake for unit
+tests; both pass the same contract test suite (``tests/contract``). Methods
+say what is atomic and what they raise. Every backend raises only
+:mod:`celery_sched.errors` exceptions: driver errors are translated inside the
+backend module.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+from celery_sched.models import Job, JobStatus, NewJob, ReconcileResult
+
+
+class JobStore(abc.ABC):
+    """The source of truth for jobs (PostgreSQL).
+
+    Due-ness and timeouts are judged by the store's clock (:meth:`now`,
+    Postgres ``now()``), never the caller's. Every method is one transaction
+    unless it says otherwise. Unreachable backends raise
+    :class:`~celery_sched.errors.StoreUnavailable` after bounded retries.
+    """
+
+    # -- lifecycle ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def migrate(self) -> None:
+        """Create or upgrade the schema. Idempotent; safe to run concurrently."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections. The store must not be used afterwards."""
+
+    @abc.abstractmethod
+    def now(self) -> dt.datetime:
+        """The store's current time (aware UTC)."""
+
+    # -- writing jobs -------------------------------------------------------
+
+    @abc.abstractmethod
+    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+        """Insert one job.
+
+        On an existing key, raise :class:`~celery_sched.errors.DuplicateJob`
+        (``if_exists="raise"``) or return the existing job unchanged
+        (``"return"``).
+        """
+
+    @abc.abstractmethod
+    def insert_many(self, jobs: Iterable[NewJob]) -> int:
+        """Insert many jobs atomically (COPY); return how many were written.
+
+        All or nothing: a duplicate key (already stored, or twice in
+        ``jobs``) raises :class:`~celery_sched.errors.DuplicateJob` and writes
+        nothing.
+        """
+
+    @abc.abstractmethod
+    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+        """Insert jobs whose keys may already exist, skipping those that do.
+
+        Returns the ids actually written. Racing callers never create the same
+        key twice (periodic planners rely on this).
+        """
+
+    # -- reading ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get(self, key: str) -> Job | None:
+        """The job with ``key``, or ``None``."""
+
+    @abc.abstractmethod
+    def get_by_id(self, job_id: uuid.UUID) -> Job | None:
+        """The job with ``job_id``, or ``None``."""
+
+    @abc.abstractmethod
+    def counts_by_status(self) -> dict[JobStatus, int]:
+        """Number of jobs per status (statuses with no jobs are omitted)."""
+
+    @abc.abstractmethod
+    def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
+        """Number of jobs per UTC hour of ``due_at``, optionally for one status."""
+
+    # -- user transitions ---------------------------------------------------
+
+    @abc.abstractmethod
+    def cancel(self, key: str) -> bool:
+        """pending -> cancelled. True if the job was pending and is now cancelled."""
+
+    # -- leadership fencing -------------------------------------------------
+
+    @abc.abstractmethod
+    def acquire_epoch(self, shard: int, holder: str) -> int:
+        """Bump and return the shard's epoch, recording ``holder``.
+
+        Called once per lease acquisition; every later claim by an older
+        epoch is refused.
+        """
+
+    @abc.abstractmethod
+    def current_epoch(self, shard: int) -> int:
+        """The shard's current epoch (0 if no leader was ever elected)."""
+
+    # -- dispatch transitions (all fenced) -----------------------------------
+
+    @abc.abstractmethod
+    def due_soon(
+        self, *, shard: int, within: float, limit: int
+    ) -> list[tuple[uuid.UUID, dt.datetime]]:
+        """``(id, due_at)`` of pending jobs due within ``within`` seconds of now
+        (or overdue), oldest first, at most ``limit``. Read-only."""
+
+    @abc.abstractmethod
+    def claim_due(self, *, shard: int, epoch: int, limit: int) -> list[Job]:
+        """Claim up to ``limit`` pending jobs with ``due_at <= now()``.
+
+        One transaction: pending -> dispatched, ``dispatched_at = now()``,
+        ``leader_epoch = epoch``; oldest due first; rows locked by another
+        claimer are skipped. Raises :class:`~celery_sched.errors.StaleEpoch`
+        (claiming nothing) when ``epoch`` is not the shard's current epoch.
+        """
+
+    @abc.abstractmethod
+    def claim_ids(self, ids: Sequence[uuid.UUID], *, shard: int, epoch: int) -> list[Job]:
+        """Like :meth:`claim_due`, restricted to ``ids``; ids that are not
+        pending or not yet due are ignored."""
+
+    @abc.abstractmethod
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
+        """dispatched -> pending for jobs this epoch claimed but could not publish.
+
+        Fenced: only rows with ``leader_epoch = epoch`` move. Returns the count.
+        """
+
+    @abc.abstractmethod
+    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+        """dispatched -> expired (fenced), with ``reason`` as ``last_error``."""
+
+    @abc.abstractmethod
+    def reconcile(
+        self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
+    ) -> ReconcileResult:
+        """Requeue jobs dispatched longer ago than their visibility timeout.
+
+        pending again with ``attempt + 1``; past ``max_attempts`` they become
+        dead with the reason. Fenced like a claim (raises ``StaleEpoch``).
+        """
+
+    # -- worker transitions -------------------------------------------------
+
+    @abc.abstractmethod
+    def mark_running(self, job_id: uuid.UUID, *, worker: str) -> bool:
+        """dispatched/retrying/pending -> running (started_at, worker)."""
+
+    @abc.abstractmethod
+    def mark_finished(
+        self, job_id: uuid.UUID, status: JobStatus, *, error: str | None = None
+    ) -> bool:
+        """Any unfinished status -> ``status`` (a finished one), finished_at set."""
+
+    @abc.abstractmethod
+    def mark_retrying(self, job_id: uuid.UUID, *, error: str | None = None) -> bool:
+        """running -> retrying (a Celery retry is on its way)."""
+
+    # -- housekeeping -------------------------------------------------------
+
+    @abc.abstractmethod
+    def prune(self, *, older_than: float, batch: int) -> int:
+        """Delete finished jobs whose finished_at is more than ``older_than``
+        seconds ago, ``batch`` rows per transaction; return the total."""
+
+
+class LeaseBackend(abc.ABC):
+    """Atomic primitives of the leader lease (Redis).
+
+    Never GET-then-SET: every operation is one atomic command or script.
+    Unreachable backends raise :class:`~celery_sched.errors.LeaseUnavailable`.
+    """
+
+    @abc.abstractmethod
+    def acquire(self, shard: int, token: str, ttl: float) -> bool:
+        """Take the lease if free (SET NX PX). True if ``token`` now holds it."""
+
+    @abc.abstractmethod
+    def renew(self, shard: int, token: str, ttl: float) -> bool:
+        """Extend the lease if ``token`` still holds it (compare-and-pexpire)."""
+
+    @abc.abstractmethod
+    def release(self, shard: int, token: str) -> bool:
+        """Drop the lease if ``token`` holds it (compare-and-del)."""
+
+    @abc.abstractmethod
+    def holder(self, shard: int) -> str | None:
+        """The token holding the lease, or ``None``."""
+
+
+class Staging(abc.ABC):
+    """The near-future copy of due jobs (a Redis sorted set per shard).
+
+    Only a copy: losing it delays jobs, never loses them. Scores are epoch
+    seconds of ``due_at``. Unreachable backends raise
+    :class:`~celery_sched.errors.StagingUnavailable`.
+    """
+
+    @abc.abstractmethod
+    def add(self, shard: int, items: Iterable[tuple[uuid.UUID, dt.datetime]]) -> int:
+        """Stage ``(id, due_at)`` pairs; return how many were new."""
+
+    @abc.abstractmethod
+    def pop_due(self, shard: int, now: dt.datetime, limit: int) -> list[uuid.UUID]:
+        """Atomically remove and return up to ``limit`` ids scored at or before
+        ``now``, earliest first."""
+
+    @abc.abstractmethod
+    def next_due(self, shard: int) -> dt.datetime | None:
+        """The earliest staged due time, or ``None`` when empty."""
+
+    @abc.abstractmethod
+    def remove(self, shard: int, ids: Iterable[uuid.UUID]) -> int:
+        """Unstage ``ids`` (cancelled jobs); return how many were staged."""
+
+    @abc.abstractmethod
+    def size(self, shard: int) -> int:
+        """How many ids are staged."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PublishResult:
+    """Outcome of one batch publish: every job id appears in exactly one list."""
+
+    sent: list[uuid.UUID] = dataclasses.field(default_factory=list)
+    failed: list[uuid.UUID] = dataclasses.field(default_factory=list)
+    expired: list[uuid.UUID] = dataclasses.field(default_factory=list)
+
+
+class Dispatcher(abc.ABC):
+    """Publishes claimed jobs as Celery protocol-2 messages (Kombu).
+
+    Broker failures are retried with backoff inside; what still failed is
+    reported in :attr:`PublishResult.failed`, never raised mid-batch.
+    """
+
+    @abc.abstractmethod
+    def publish(self, jobs: Sequence[Job], *, epoch: int, now: dt.datetime) -> PublishResult:
+        """Publish ``jobs``; jobs already expired at ``now`` are not sent."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the broker connection."""
+
+
+OptionMap = Mapping[str, object]
