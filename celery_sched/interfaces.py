@@ -112,10 +112,17 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     def due_soon(
-        self, *, shard: int, within: float, limit: int
+        self,
+        *,
+        shard: int,
+        within: float,
+        limit: int,
+        after: dt.datetime | None = None,
     ) -> list[tuple[uuid.UUID, dt.datetime]]:
-        """``(id, due_at)`` of pending jobs due within ``within`` seconds of now
-        (or overdue), oldest first, at most ``limit``. Read-only."""
+        """``(id, due_at)`` of pending jobs with ``due_at <= now() + within``
+        (overdue ones included), and ``due_at > after`` when ``after`` is
+        given (incremental staging), ordered by due_at, at most ``limit``.
+        Read-only."""
 
     @abc.abstractmethod
     def claim_due(self, *, shard: int, epoch: int, limit: int) -> list[Job]:

@@ -1,0 +1,329 @@
+"""The leader loop: stage -> pop -> claim -> publish -> sweep -> reconcile.
+
+One :class:`Engine` runs in each beat process. All of them compete for the
+shard's lease through a :class:`~celery_sched.lease.LeaderElector` (renewed on
+its own thread); only the holder does any work. :meth:`Engine.step` performs
+one pass and returns how long to sleep, so ``celery.beat.Service`` can drive it
+from ``Scheduler.tick``.
+
+Failure rules:
+
+- A claim moves rows to ``dispatched`` before anything is published, so a
+  crash after the claim leaves them for the reconciler, never lost.
+- A publish failure releases the batch back to ``pending`` (fenced); if even
+  that fails, the rows stay ``dispatched`` and the reconciler requeues them.
+- A stale epoch (another leader took over) makes the engine step down and
+  keep competing; it never exits the process.
+- Redis (staging) being down only slows things: the sweep claims straight
+  from Postgres.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from celery_sched.errors import (
+    CelerySchedError,
+    PublishError,
+    StagingUnavailable,
+    StaleEpoch,
+    StoreError,
+)
+from celery_sched.timeutil import UTC
+
+if TYPE_CHECKING:
+    from celery_sched.interfaces import Dispatcher, JobStore, Staging
+    from celery_sched.lease import LeaderElector
+    from celery_sched.models import Job
+    from celery_sched.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: Longest a failing leader backs off before trying its dependencies again.
+MAX_BACKOFF = 5.0
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since start; read by ``info``, the CLI and metrics."""
+
+    published: int = 0
+    released: int = 0
+    expired: int = 0
+    requeued: int = 0
+    dead: int = 0
+    timed_out: int = 0
+    staged: int = 0
+    claims: int = 0
+    elections: int = 0
+    step_downs: int = 0
+    errors: int = 0
+
+
+class Engine:
+    """One beat process's share of the work for one shard."""
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        staging: Staging,
+        dispatcher: Dispatcher,
+        elector: LeaderElector,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(UTC),
+    ) -> None:
+        self.store = store
+        self.staging = staging
+        self.dispatcher = dispatcher
+        self.elector = elector
+        self.settings = settings
+        self.shard = settings.shard
+        self.stats = EngineStats()
+        self._clock = clock
+        self._wall = wall
+        self._epoch: int | None = None
+        # Store time minus local wall time. Measured so that local time plus
+        # the offset never runs ahead of the store's clock: an id popped as
+        # due is then due by Postgres too when it is claimed.
+        self._offset = dt.timedelta(0)
+        self._staged_until: dt.datetime | None = None
+        self._next_stage = 0.0
+        self._next_sweep = 0.0
+        self._next_reconcile = 0.0
+        self._backoff = 0.0
+        self._stage_interval = max(0.25, min(settings.staging_window / 4, 15.0))
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start competing for the lease (its renewal runs on its own thread)."""
+        self.elector.start()
+
+    def stop(self) -> None:
+        """Stop competing, release the lease if held, close the broker link."""
+        try:
+            self.elector.stop()
+        finally:
+            self.dispatcher.close()
+
+    @property
+    def role(self) -> str:
+        return "leader" if self._epoch is not None else "standby"
+
+    @property
+    def epoch(self) -> int | None:
+        return self._epoch
+
+    # -- the loop -----------------------------------------------------------
+
+    def step(self) -> float:
+        """Do one pass; return the seconds to sleep before the next one."""
+        lease = self.elector.current()
+        if lease is None:
+            if self._epoch is not None:
+                self._step_down("lease lost or expired")
+            return min(self.settings.max_tick, self.settings.lease_ttl / 3)
+        if lease.epoch != self._epoch:
+            self._elected(lease.epoch)
+        epoch = lease.epoch
+        try:
+            delay = self._lead(epoch)
+        except StaleEpoch:
+            self._step_down(f"epoch {epoch} is stale: another leader took over")
+            self.elector.release()
+            return 0.0
+        except CelerySchedError as exc:
+            # Postgres or the broker is down. Keep the lease (the renewal
+            # thread decides that) and retry with a bounded backoff; nothing
+            # claimed is lost because claims precede publishing.
+            self.stats.errors += 1
+            self._backoff = min(MAX_BACKOFF, max(0.25, self._backoff * 2))
+            logger.warning(
+                "leader pass failed (%s: %s); retrying in %.2fs",
+                type(exc).__name__,
+                exc,
+                self._backoff,
+            )
+            return self._backoff
+        self._backoff = 0.0
+        return delay
+
+    def _elected(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._staged_until = None
+        self._next_stage = self._next_sweep = self._next_reconcile = 0.0
+        self.stats.elections += 1
+        logger.info("shard %d: leading with epoch %d", self.shard, epoch)
+
+    def _step_down(self, why: str) -> None:
+        logger.warning("shard %d: stepping down (%s)", self.shard, why)
+        self._epoch = None
+        self._staged_until = None
+        self.stats.step_downs += 1
+
+    def _lead(self, epoch: int) -> float:
+        now = self._clock()
+        if now >= self._next_stage:
+            self._stage()
+            self._next_stage = now + self._stage_interval
+        more = self._pop_and_publish(epoch)
+        if now >= self._next_sweep:
+            swept = self._sweep(epoch)
+            more = more or swept >= self.settings.batch_size
+            self._next_sweep = now + self.settings.sweep_interval
+        if now >= self._next_reconcile:
+            self._reconcile(epoch)
+            self._next_reconcile = now + self.settings.reconcile_interval
+        if more:
+            return 0.0
+        return self._sleep_time()
+
+    # -- parts --------------------------------------------------------------
+
+    def store_now(self) -> dt.datetime:
+        """Best estimate of the store's clock that never runs ahead of it."""
+        return self._wall() + self._offset
+
+    def _measure_offset(self) -> dt.datetime:
+        store_now = self.store.now()
+        # Taken after the reply: local time plus offset is then at most the
+        # store's time, by the round trip.
+        self._offset = store_now - self._wall()
+        return store_now
+
+    def _stage(self) -> None:
+        """Copy jobs due within the window into Redis, incrementally."""
+        store_now = self._measure_offset()
+        horizon = store_now + dt.timedelta(seconds=self.settings.staging_window)
+        limit = max(self.settings.batch_size * 50, 10_000)
+        items = self.store.due_soon(
+            shard=self.shard,
+            within=self.settings.staging_window,
+            limit=limit,
+            after=self._staged_until,
+        )
+        try:
+            if items:
+                self.stats.staged += self.staging.add(self.shard, items)
+        except StagingUnavailable as exc:
+            # Keep the high-water mark where it was: the next pass retries,
+            # and meanwhile the sweep claims straight from Postgres.
+            logger.warning("staging unavailable (%s); sweeping from Postgres", exc)
+            self._next_sweep = 0.0
+            return
+        self._staged_until = items[-1][1] if len(items) >= limit else horizon
+
+    def _pop_and_publish(self, epoch: int) -> bool:
+        """Claim and publish staged ids that are due; True if more may be due."""
+        if not self.elector.is_leader():
+            return False
+        try:
+            ids = self.staging.pop_due(self.shard, self.store_now(), self.settings.batch_size)
+        except StagingUnavailable as exc:
+            logger.warning("staging unavailable (%s); sweeping from Postgres", exc)
+            self._next_sweep = min(self._next_sweep, self._clock() + self.settings.max_tick)
+            # The high-water mark may cover ids a FLUSHALL or restart lost.
+            self._staged_until = None
+            return False
+        if not ids:
+            return False
+        jobs = self.store.claim_ids(ids, shard=self.shard, epoch=epoch)
+        self._publish(jobs, epoch)
+        return len(ids) >= self.settings.batch_size
+
+    def _sweep(self, epoch: int) -> int:
+        """Claim due pending rows straight from Postgres (the fallback path)."""
+        total = 0
+        while self.elector.is_leader():
+            jobs = self.store.claim_due(
+                shard=self.shard, epoch=epoch, limit=self.settings.batch_size
+            )
+            if not jobs:
+                break
+            self._publish(jobs, epoch)
+            total += len(jobs)
+            if len(jobs) < self.settings.batch_size:
+                break
+            # A backlog: yield to staged (time-critical) ids between batches.
+            self._pop_and_publish(epoch)
+        if total:
+            logger.info("sweep claimed %d due jobs from Postgres", total)
+        return total
+
+    def _publish(self, jobs: Sequence[Job], epoch: int) -> None:
+        if not jobs:
+            return
+        self.stats.claims += 1
+        try:
+            result = self.dispatcher.publish(jobs, epoch=epoch, now=self.store_now())
+        except PublishError as exc:
+            # The dispatcher reports failures per job; this is the belt to
+            # those braces. Which jobs went out is unknown, so all go back.
+            logger.warning("publish raised %s; releasing the batch", exc)
+            self._settle("release", [job.id for job in jobs], epoch)
+            raise
+        self.stats.published += len(result.sent)
+        if result.expired:
+            self._settle("expire", result.expired, epoch)
+        if result.failed:
+            logger.warning("%d jobs failed to publish; releasing them", len(result.failed))
+            self._settle("release", result.failed, epoch)
+
+    def _settle(self, action: str, job_ids: Sequence[uuid.UUID], epoch: int) -> None:
+        """Finish a transition after publishing; on failure the reconciler will."""
+        try:
+            if action == "release":
+                self.stats.released += self.store.release(job_ids, epoch=epoch)
+            else:
+                self.stats.expired += self.store.mark_expired(
+                    job_ids, epoch=epoch, reason="expired before it was due"
+                )
+        except StoreError as exc:
+            logger.warning(
+                "could not %s %d jobs (%s); the reconciler will requeue them",
+                action,
+                len(job_ids),
+                exc,
+            )
+
+    def _reconcile(self, epoch: int) -> None:
+        result = self.store.reconcile(
+            shard=self.shard,
+            epoch=epoch,
+            limit=self.settings.batch_size * 10,
+            default_visibility_timeout=self.settings.visibility_timeout,
+        )
+        self.stats.requeued += result.requeued
+        self.stats.dead += result.dead
+        self.stats.timed_out += result.timed_out
+        if result.requeued or result.dead or result.timed_out:
+            logger.warning(
+                "reconciler: requeued %d, dead %d, over max_runtime %d",
+                result.requeued,
+                result.dead,
+                result.timed_out,
+            )
+
+    def _sleep_time(self) -> float:
+        now = self._clock()
+        deadlines = [
+            self.settings.max_tick,
+            self._next_stage - now,
+            self._next_sweep - now,
+            self._next_reconcile - now,
+        ]
+        try:
+            next_due = self.staging.next_due(self.shard)
+        except StagingUnavailable:
+            next_due = None
+        if next_due is not None:
+            deadlines.append((next_due - self.store_now()).total_seconds())
+        return max(0.0, min(deadlines))

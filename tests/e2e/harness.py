@@ -1,0 +1,241 @@
+"""Real beat, worker and Flower processes for end-to-end and fault tests.
+
+A :class:`Cluster` owns one test's schema, Redis prefix and queue; every
+process it starts is a subprocess of the real ``celery`` command running
+``tests.e2e.app``, with its output in a log file that is printed when the
+test fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from celery_sched.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+CELERY = str(Path(sys.executable).with_name("celery"))
+
+
+@dataclasses.dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.alive():
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class Cluster:
+    """Processes, schema and helpers for one end-to-end test."""
+
+    def __init__(
+        self,
+        *,
+        tmp_path: Path,
+        settings: Settings,
+        broker_url: str,
+        queue: str,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.tmp_path = tmp_path
+        self.settings = settings
+        self.broker_url = broker_url
+        self.queue = queue
+        self.dsn = settings.libpq_conninfo()
+        self.schema = settings.db_schema
+        self.procs: list[Proc] = []
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "E2E_BROKER_URL": broker_url,
+            "E2E_QUEUE": queue,
+            "E2E_PG_DSN": self.dsn,
+            "CELERY_SCHED_DATABASE_URL": settings.database_url,
+            "CELERY_SCHED_REDIS_URL": settings.redis_url,
+            "CELERY_SCHED_DB_SCHEMA": settings.db_schema,
+            "CELERY_SCHED_KEY_PREFIX": settings.key_prefix,
+            "CELERY_SCHED_LEASE_TTL": str(settings.lease_ttl),
+            "CELERY_SCHED_VISIBILITY_TIMEOUT": str(settings.visibility_timeout),
+            "CELERY_SCHED_SWEEP_INTERVAL": str(settings.sweep_interval),
+            "CELERY_SCHED_RECONCILE_INTERVAL": str(settings.reconcile_interval),
+            "CELERY_SCHED_STAGING_WINDOW": str(settings.staging_window),
+            "CELERY_SCHED_BATCH_SIZE": str(settings.batch_size),
+            **(extra_env or {}),
+        }
+        with self.connect() as conn:
+            conn.execute(
+                f'CREATE TABLE IF NOT EXISTS "{self.schema}".e2e_runs '
+                "(task_id text, job_key text, tag text, due double precision, "
+                "ran double precision, worker text)"
+            )
+
+    # -- processes ----------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.tmp_path / f"{name}.log"
+        handle = log.open("wb")
+        popen = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        handle.close()
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def start_beat(self, name: str = "beat", **env: str) -> Proc:
+        return self._spawn(
+            name,
+            [
+                CELERY,
+                "-A",
+                "tests.e2e.app",
+                "beat",
+                "-S",
+                "celery_sched",
+                "--loglevel=INFO",
+                "-s",
+                str(self.tmp_path / f"{name}-schedule"),
+            ],
+            env,
+        )
+
+    def start_worker(self, name: str = "worker", concurrency: int = 8, **env: str) -> Proc:
+        return self._spawn(
+            name,
+            [
+                CELERY,
+                "-A",
+                "tests.e2e.app",
+                "worker",
+                "--pool=threads",
+                f"--concurrency={concurrency}",
+                "-Q",
+                self.queue,
+                "-n",
+                f"{name}.{self.queue}@%h",
+                "--without-heartbeat",
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel=INFO",
+            ],
+            env,
+        )
+
+    def start_flower(self, port: int) -> Proc:
+        return self._spawn(
+            "flower",
+            [
+                CELERY,
+                "-A",
+                "tests.e2e.app",
+                "flower",
+                f"--port={port}",
+                "--address=127.0.0.1",
+            ],
+            {"FLOWER_UNAUTHENTICATED_API": "true"},
+        )
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.alive():
+                proc.signal(signal.SIGCONT)
+                proc.stop()
+
+    def dump_logs(self) -> str:
+        parts = []
+        for proc in self.procs:
+            tail = proc.output()[-6000:]
+            parts.append(f"===== {proc.name} (pid {proc.pid}, rc {proc.popen.poll()})\n{tail}")
+        return "\n".join(parts)
+
+    # -- database -----------------------------------------------------------
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        with self.connect() as conn:
+            return conn.execute(sql.replace("{s}", f'"{self.schema}"'), params).fetchall()
+
+    def runs(self) -> list[tuple[str, str, float, float]]:
+        """(task_id, job_key, due, ran) of every recorded execution."""
+        rows = self.query("SELECT task_id, job_key, due, ran FROM {s}.e2e_runs")
+        return [(str(a), str(b), float(c), float(d)) for a, b, c, d in rows]
+
+    def run_count(self) -> int:
+        return int(self.query("SELECT count(*) FROM {s}.e2e_runs")[0][0])
+
+    def leader(self) -> tuple[int, str] | None:
+        rows = self.query("SELECT epoch, holder FROM {s}.leaders WHERE shard = 0")
+        return (int(rows[0][0]), str(rows[0][1])) if rows else None
+
+    def leader_proc(self) -> Proc | None:
+        current = self.leader()
+        if current is None:
+            return None
+        pid = int(current[1].rsplit(":", 1)[-1])
+        return next((p for p in self.procs if p.pid == pid), None)
+
+
+def wait_for(
+    condition: Callable[[], Any], *, timeout: float, interval: float = 0.2, what: str = ""
+) -> Any:
+    """Poll ``condition`` until it returns something truthy, or fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def iter_lags(runs: list[tuple[str, str, float, float]]) -> Iterator[float]:
+    for _task_id, _key, due, ran in runs:
+        yield ran - due

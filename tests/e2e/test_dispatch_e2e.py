@@ -1,0 +1,76 @@
+"""One-off jobs reach real Celery workers from real beat processes."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import BROKERS, broker_for, client_for, spread_jobs
+from tests.e2e.harness import percentile, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _assert_exactly_once(cluster: Any, expected_keys: set[str]) -> list[float]:
+    runs = cluster.runs()
+    per_key = collections.Counter(key for _id, key, _due, _ran in runs)
+    duplicates = {k: n for k, n in per_key.items() if n > 1}
+    assert not duplicates, f"jobs executed more than once: {list(duplicates.items())[:10]}"
+    assert set(per_key) == expected_keys
+    early = [(key, ran - due) for _id, key, due, ran in runs if ran < due - 0.001]
+    assert not early, f"jobs ran before their due time: {early[:10]}"
+    return [ran - due for _id, _key, due, ran in runs]
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_jobs_due_over_ten_seconds_run_once_each_and_never_early(
+    broker: str, redis_url: str, amqp_url: str, make_cluster: Any, e2e_settings: Any
+) -> None:
+    cluster = make_cluster(broker_for(broker, redis_url, amqp_url))
+    cluster.start_worker()
+    cluster.start_beat()
+    wait_for(cluster.leader, timeout=30, what="a leader")
+
+    jobs = spread_jobs(5000, time.time() + 3, 10)
+    client = client_for(e2e_settings)
+    assert client.schedule_many(jobs) == 5000
+
+    wait_for(lambda: cluster.run_count() >= 5000, timeout=90, what="5000 executions")
+    time.sleep(1)  # a duplicate would show up now
+    lags = _assert_exactly_once(cluster, {job["key"] for job in jobs})
+    print(
+        f"{broker}: lag p50={percentile(lags, 50):.3f}s "
+        f"p99={percentile(lags, 99):.3f}s max={max(lags):.3f}s"
+    )
+    counts = client.counts_by_status()
+    assert counts.get("succeeded", 0) == 5000, counts
+
+
+def test_two_beats_elect_one_leader_and_publish_each_job_once(
+    redis_url: str, make_cluster: Any, e2e_settings: Any
+) -> None:
+    cluster = make_cluster(redis_url)
+    cluster.start_worker()
+    first = cluster.start_beat("beat1")
+    second = cluster.start_beat("beat2")
+    epoch, holder = wait_for(cluster.leader, timeout=30, what="a leader")
+
+    jobs = spread_jobs(3000, time.time() + 2, 6)
+    client_for(e2e_settings).schedule_many(jobs)
+
+    # Sample leadership while the jobs flow: it never changes hands.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and cluster.run_count() < 3000:
+        assert cluster.leader() == (epoch, holder)
+        time.sleep(0.2)
+    wait_for(lambda: cluster.run_count() >= 3000, timeout=60, what="3000 executions")
+    time.sleep(1)
+    _assert_exactly_once(cluster, {job["key"] for job in jobs})
+
+    leading = [p for p in (first, second) if "leading with epoch" in p.output()]
+    assert len(leading) == 1, [p.name for p in leading]
+    epochs = {row[0] for row in cluster.query("SELECT DISTINCT leader_epoch FROM {s}.jobs")}
+    assert epochs == {epoch}
