@@ -38,7 +38,13 @@ def build_redis(settings: Settings) -> redis.Redis:
 def build_lease(settings: Settings, client: redis.Redis | None = None) -> LeaseBackend:
     from celery_sched.lease.redis import RedisLeaseBackend
 
-    return RedisLeaseBackend(client or build_redis(settings), prefix=settings.key_prefix)
+    # One lease operation plus its single quick retry must fit well inside
+    # the renewal period (ttl/3), so a hung Redis cannot eat a whole period.
+    return RedisLeaseBackend(
+        client or build_redis(settings),
+        prefix=settings.key_prefix,
+        op_timeout=settings.lease_ttl / 6,
+    )
 
 
 def build_staging(settings: Settings, client: redis.Redis | None = None) -> Staging:

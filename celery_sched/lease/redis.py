@@ -1,0 +1,206 @@
+"""The leader lease in Redis: one key per shard, holding the leader's token.
+
+* acquire: ``SET key token NX PX ttl`` (one command);
+* renew: ``renew.lua``, compare-and-PEXPIRE;
+* release: ``release.lua``, compare-and-DEL.
+
+Never GET followed by EXPIRE/DEL: between the two another process may have
+taken the lease. Redis's own clock decides expiry.
+
+A lease operation must answer well within ``ttl / 3`` (the renewal period),
+or the leader's local deadline passes while it is still waiting. So this
+backend talks to Redis through its own small connection pool, cloned from the
+given client's settings but with redis-py's built-in retries turned off (by
+default redis-py retries a failed command ten times with backoff), and retries
+a lost connection once, quickly, itself. Everything else fails fast as
+:class:`~celery_sched.errors.LeaseUnavailable`; the elector then steps down
+and tries again on its next tick.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.commands.core import Script
+from redis.retry import Retry
+
+from celery_sched.errors import CelerySchedError, LeaseError, LeaseUnavailable
+from celery_sched.interfaces import LeaseBackend
+from celery_sched.retry import call_with_retry
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: One quick retry of a dropped connection (a server restart, an idle
+#: connection closed by a proxy); anything slower than that is an outage.
+_ATTEMPTS = 2
+_RETRY_DELAY = 0.05
+
+#: Errors that mean "Redis cannot be reached or cannot write right now".
+#: READONLY comes from a replica promoted away from us after a failover.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.ReadOnlyError,
+)
+
+
+#: Connection kwargs a redis-py pool fills in for itself, or that would turn
+#: its retries back on.
+_POOL_OWNED = frozenset(
+    {
+        "maint_notifications_pool_handler",
+        "oss_cluster_maint_notifications_handler",
+        "himport_registry",
+        "retry",
+        "retry_on_timeout",
+        "retry_on_error",
+    }
+)
+
+
+def load_script(name: str) -> str:
+    """The text of ``celery_sched/lease/lua/<name>.lua``."""
+    return (
+        importlib.resources.files("celery_sched.lease")
+        .joinpath("lua")
+        .joinpath(f"{name}.lua")
+        .read_text(encoding="utf-8")
+    )
+
+
+def ttl_to_ms(ttl: float) -> int:
+    """``ttl`` seconds as whole milliseconds (at least 1); refuse ``ttl <= 0``."""
+    if ttl <= 0:
+        raise ValueError(f"lease ttl must be positive, got {ttl!r}")
+    return max(1, round(ttl * 1000))
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    # Built from host/port/db only, so no password can reach a log line.
+    if kwargs.get("path"):
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    return f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+
+
+def _translate(exc: BaseException) -> CelerySchedError:
+    if isinstance(exc, _UNAVAILABLE):
+        return LeaseUnavailable(f"the lease backend (Redis) cannot be reached: {exc}")
+    return LeaseError(f"the leader lease failed in Redis: {exc}")
+
+
+def _lease_client(client: redis.Redis, op_timeout: float | None) -> redis.Redis:
+    """A client sharing ``client``'s settings but not its retry policy."""
+    pool = client.connection_pool
+    # The pool adds bookkeeping of its own to these kwargs (handlers bound to
+    # that pool, saved original timeouts); the new pool must make its own.
+    kwargs: dict[str, Any] = {
+        name: value
+        for name, value in pool.connection_kwargs.items()
+        if name not in _POOL_OWNED and not name.startswith("orig_")
+    }
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    if op_timeout is not None:
+        kwargs["socket_timeout"] = op_timeout
+        kwargs["socket_connect_timeout"] = op_timeout
+    # The elector thread is the only steady user; a few connections cover the
+    # loop's occasional holder()/release() calls.
+    lease_pool = redis.ConnectionPool(
+        connection_class=pool.connection_class, max_connections=8, **kwargs
+    )
+    return redis.Redis(connection_pool=lease_pool)
+
+
+class RedisLeaseBackend(LeaseBackend):
+    """:class:`~celery_sched.interfaces.LeaseBackend` on a Redis key per shard.
+
+    The key of shard ``n`` is ``f"{prefix}:lease:{n}"``; its value is the
+    holder's token. ``op_timeout`` (seconds) bounds each socket read and
+    connect; leave it ``None`` to keep ``client``'s own timeouts, and size it
+    to about ``ttl / 6`` so one retry still fits in the renewal period.
+    """
+
+    def __init__(
+        self, client: redis.Redis, *, prefix: str, op_timeout: float | None = None
+    ) -> None:
+        if not prefix:
+            raise ValueError("the Redis key prefix must not be empty")
+        self._prefix = prefix
+        self._client = _lease_client(client, op_timeout)
+        self._where = _describe(dict(client.connection_pool.connection_kwargs))
+        self._renew: Script = self._client.register_script(load_script("renew"))
+        self._release: Script = self._client.register_script(load_script("release"))
+
+    def key(self, shard: int) -> str:
+        """The Redis key holding shard ``shard``'s lease."""
+        return f"{self._prefix}:lease:{shard}"
+
+    def close(self) -> None:
+        """Close this backend's own connections."""
+        self._client.close()
+
+    # -- LeaseBackend -------------------------------------------------------
+
+    def acquire(self, shard: int, token: str, ttl: float) -> bool:
+        ms = ttl_to_ms(ttl)
+        key = self.key(shard)
+        attempts = 0
+
+        def attempt() -> bool:
+            nonlocal attempts
+            attempts += 1
+            if self._client.set(key, token, nx=True, px=ms):
+                return True
+            if attempts > 1:
+                # The first SET may have been applied with only its reply
+                # lost; then the key already holds our (unique) token.
+                return self._decode(self._client.get(key)) == token
+            return False
+
+        return self._call(attempt, "lease acquire")
+
+    def renew(self, shard: int, token: str, ttl: float) -> bool:
+        ms = ttl_to_ms(ttl)
+        key = self.key(shard)
+        return self._call(lambda: bool(self._renew(keys=[key], args=[token, ms])), "lease renew")
+
+    def release(self, shard: int, token: str) -> bool:
+        key = self.key(shard)
+        return self._call(lambda: bool(self._release(keys=[key], args=[token])), "lease release")
+
+    def holder(self, shard: int) -> str | None:
+        key = self.key(shard)
+        return self._call(lambda: self._decode(self._client.get(key)), "lease holder")
+
+    # -- helpers ------------------------------------------------------------
+
+    @staticmethod
+    def _decode(value: object) -> str | None:
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            return value.decode("utf-8")
+        return str(value)
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        try:
+            return call_with_retry(
+                fn,
+                transient=(redis.ConnectionError,),
+                translate=_translate,
+                what=what,
+                url=self._where,
+                attempts=_ATTEMPTS,
+                backoff=_RETRY_DELAY,
+                max_delay=_RETRY_DELAY,
+            )
+        except redis.RedisError as exc:
+            # Timeouts and server errors are not retried: a slow Redis would
+            # only eat more of the renewal period.
+            raise _translate(exc) from exc

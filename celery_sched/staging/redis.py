@@ -1,0 +1,227 @@
+"""Staging on Redis: one sorted set of near-future job ids per shard.
+
+Key ``<prefix>:staging:<shard>``; member = the job id as 32 hex digits; score =
+``due_at`` in epoch seconds. The set is only an accelerator in front of
+PostgreSQL, so failures are retried briefly and then raised as
+:class:`~celery_sched.errors.StagingUnavailable`; the engine falls back to a
+Postgres sweep and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.resources
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.exceptions
+
+from celery_sched.errors import CelerySchedError, StagingUnavailable
+from celery_sched.interfaces import Staging
+from celery_sched.retry import call_with_retry
+from celery_sched.settings import sanitize_url
+from celery_sched.timeutil import ensure_utc, from_epoch_seconds, to_epoch_seconds
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Members per ZADD / ZREM command.
+CHUNK = 10_000
+#: Commands per pipeline round trip, so a huge batch is never buffered whole.
+PIPELINE_CHUNKS = 10
+
+# Connection trouble may heal within a retry; other Redis errors (OOM,
+# READONLY replica, WRONGTYPE) will not, so they are translated at once.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+
+
+def load_lua(name: str) -> str:
+    """The source of the Lua script ``lua/<name>.lua`` shipped in this package."""
+    return (importlib.resources.files(__package__) / "lua" / f"{name}.lua").read_text("utf-8")
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _describe(client: redis.Redis) -> str:
+    """A loggable URL for ``client`` (never with its password)."""
+    kwargs: dict[str, Any] = client.connection_pool.connection_kwargs
+    if kwargs.get("path"):
+        url = f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    else:
+        url = (
+            f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+            f"/{kwargs.get('db', 0)}"
+        )
+    return sanitize_url(url)
+
+
+class RedisStaging(Staging):
+    """:class:`~celery_sched.interfaces.Staging` on Redis sorted sets.
+
+    ``attempts`` and ``backoff`` bound the retries of connection failures; they
+    stay small because the caller has a Postgres fallback and must not stall.
+    Note that ``client``'s own redis-py retry policy runs inside each attempt.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str,
+        attempts: int = 2,
+        backoff: float = 0.05,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self._client = client
+        self._prefix = prefix
+        self._attempts = attempts
+        self._backoff = backoff
+        self._sleep = sleep
+        self._url = _describe(client)
+        self._pop_due = client.register_script(load_lua("pop_due"))
+
+    def key(self, shard: int) -> str:
+        """The Redis key of ``shard``'s sorted set."""
+        return f"{self._prefix}:staging:{shard}"
+
+    # -- Staging ------------------------------------------------------------
+
+    def add(self, shard: int, items: Iterable[tuple[uuid.UUID, dt.datetime]]) -> int:
+        pairs = [
+            (job_id.hex, to_epoch_seconds(ensure_utc(due_at, name="due_at")))
+            for job_id, due_at in items
+        ]
+        if not pairs:
+            return 0
+        key = self.key(shard)
+
+        def zadd(pipe: redis.client.Pipeline, chunk: Sequence[tuple[str, float]]) -> None:
+            # A dict keeps the last score of an id repeated in the batch, as
+            # ZADD itself would.
+            pipe.zadd(key, dict(chunk))
+
+        # A retry after a reply was lost re-adds what the first attempt
+        # stored; ZADD is idempotent, only the "new" count may come out low.
+        return self._pipelined(pairs, zadd, f"staging add of {len(pairs)} ids to {key}")
+
+    def pop_due(self, shard: int, now: dt.datetime, limit: int) -> list[uuid.UUID]:
+        if limit < 0:
+            raise ValueError(f"limit must not be negative, got {limit}")
+        max_score = to_epoch_seconds(ensure_utc(now, name="now"))
+        if limit == 0:
+            return []  # nothing to ask Redis for
+        key = self.key(shard)
+
+        def run() -> list[Any]:
+            result: list[Any] = self._pop_due(keys=[key], args=[repr(max_score), limit])
+            return result
+
+        # If a reply is lost after the script ran, the popped ids are gone
+        # from the set but still pending in Postgres: the fallback sweep
+        # claims them, so the retry only delays them.
+        members = self._call(run, f"staging pop from {key}")
+        return self._decode_ids(members, key)
+
+    def next_due(self, shard: int) -> dt.datetime | None:
+        key = self.key(shard)
+
+        def run() -> list[Any]:
+            return list(self._client.zrange(key, 0, 0, withscores=True))
+
+        first = self._call(run, f"staging next_due of {key}")
+        if not first:
+            return None
+        return from_epoch_seconds(float(first[0][1]))
+
+    def remove(self, shard: int, ids: Iterable[uuid.UUID]) -> int:
+        members = [job_id.hex for job_id in ids]
+        if not members:
+            return 0
+        key = self.key(shard)
+
+        def zrem(pipe: redis.client.Pipeline, chunk: Sequence[str]) -> None:
+            pipe.zrem(key, *chunk)
+
+        return self._pipelined(members, zrem, f"staging remove of {len(members)} ids from {key}")
+
+    def size(self, shard: int) -> int:
+        key = self.key(shard)
+
+        def run() -> int:
+            return int(self._client.zcard(key))
+
+        return self._call(run, f"staging size of {key}")
+
+    # -- internals ----------------------------------------------------------
+
+    def _pipelined(
+        self,
+        items: Sequence[T],
+        command: Callable[[redis.client.Pipeline, Sequence[T]], None],
+        what: str,
+    ) -> int:
+        """Queue ``command`` per :data:`CHUNK` of ``items``, :data:`PIPELINE_CHUNKS`
+        commands per round trip; return the sum of the replies."""
+        total = 0
+        step = CHUNK * PIPELINE_CHUNKS
+        for start in range(0, len(items), step):
+            part = items[start : start + step]
+
+            def run(part: Sequence[T] = part) -> int:
+                pipe = self._client.pipeline(transaction=False)
+                for chunk in _chunks(part, CHUNK):
+                    command(pipe, chunk)
+                return sum(int(n) for n in pipe.execute())
+
+            total += self._call(run, what)
+        return total
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        def translate(exc: BaseException) -> CelerySchedError:
+            return StagingUnavailable(
+                f"the staging area (Redis at {self._url}) failed during {what}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+
+        extra: dict[str, Any] = {} if self._sleep is None else {"sleep": self._sleep}
+        try:
+            return call_with_retry(
+                fn,
+                transient=_TRANSIENT,
+                translate=translate,
+                what=what,
+                url=self._url,
+                attempts=self._attempts,
+                backoff=self._backoff,
+                max_delay=max(self._backoff, 1.0),
+                **extra,
+            )
+        except redis.exceptions.RedisError as exc:
+            # Not transient, yet still a driver error: nothing above this
+            # module may see one.
+            raise translate(exc) from exc
+
+    @staticmethod
+    def _decode_ids(members: Iterable[Any], key: str) -> list[uuid.UUID]:
+        ids: list[uuid.UUID] = []
+        for member in members:
+            try:
+                text = member.decode("ascii") if isinstance(member, bytes) else str(member)
+                ids.append(uuid.UUID(hex=text))
+            except ValueError:
+                # Someone else wrote into our key; dropping the stray member
+                # is harmless because Postgres, not this set, is the truth.
+                logger.warning("ignoring a staged member that is not a job id in %s", key)
+        return ids
