@@ -1,0 +1,554 @@
+"""Publishing claimed jobs as Celery protocol-2 messages through Kombu.
+
+The per-message path is kept short on purpose (see DESIGN.md, "Figures that
+matter"): the body is published as the stored bytes, the constant part of the
+headers is built once per batch, routes are resolved once per task name and
+per-job destination, queues are declared once per connection, and on
+transports that support it (Redis) the whole batch goes through one
+``Producer.batch()`` pipeline.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import amqp.exceptions
+import redis.exceptions
+from kombu import Exchange, Queue
+from kombu.common import Broadcast
+from kombu.entity import maybe_delivery_mode
+from kombu.exceptions import (  # type: ignore[attr-defined]  # missing from kombu-stubs
+    BatchPublishError,
+    OperationalError,
+)
+
+from celery_sched.dispatch import HEADER_KEY, base_headers, is_expired, message_headers
+from celery_sched.errors import CelerySchedError, PublishError
+from celery_sched.interfaces import Dispatcher, PublishResult
+from celery_sched.models import Job
+from celery_sched.retry import call_with_retry
+from celery_sched.settings import Settings, sanitize_url
+
+logger = logging.getLogger(__name__)
+
+#: Failures after which a fresh connection may succeed. Anything else raised
+#: while publishing one message (an unroutable task, an unencodable header) is
+#: that job's own failure and is not retried.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    OperationalError,
+    BatchPublishError,
+    OSError,  # socket errors, ConnectionError, TimeoutError
+    amqp.exceptions.ConnectionError,
+    amqp.exceptions.ChannelError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.ResponseError,  # e.g. READONLY after a failover
+)
+
+#: Messages flushed to Redis per pipeline round trip. After each flush those
+#: jobs are known to be sent; a failure can only leave one chunk uncertain.
+DEFAULT_CHUNK = 500
+
+# ``Producer.batch`` flushes by itself when it holds ``max_size`` commands;
+# we flush explicitly per chunk to know which jobs are sent, so this only
+# has to exceed what one chunk can buffer.
+_NO_AUTO_FLUSH = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """Where messages of one (task, per-job destination) go."""
+
+    exchange: str
+    routing_key: str
+    queue: str | None
+    delivery_mode: int | None
+    priority: int | None
+    declare: Queue | Exchange | None
+
+
+@dataclasses.dataclass(slots=True)
+class _Message:
+    job_id: uuid.UUID
+    task_id: str
+    body: bytes
+    content_type: str
+    content_encoding: str
+    headers: dict[str, Any]
+    route: Route
+    priority: int | None
+    expiration: float | None
+
+
+class KombuDispatcher(Dispatcher):
+    """Publishes jobs to the app's broker as messages a stock worker runs.
+
+    One long-lived connection and producer, created on the first publish and
+    re-created after a connection failure. Not thread-safe: one dispatcher
+    per engine thread.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        settings: Settings,
+        *,
+        chunk: int = DEFAULT_CHUNK,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if chunk < 1:
+            raise ValueError("chunk must be at least 1")
+        self._app = app
+        self._settings = settings
+        self._chunk = chunk
+        self._sleep = sleep
+        conf = app.conf
+        self._send_sent_event = bool(conf.task_send_sent_event)
+        self._default_delivery_mode = conf.task_default_delivery_mode
+        self._default_priority: int | None = conf.task_default_priority
+        # Like ``send_task``: results of a scheduled job, if any consumer
+        # wants them over RPC, are addressed to this process.
+        self._reply_to: str = app.thread_oid
+        self._url = sanitize_url(app.connection_for_write().as_uri())
+        self._routes: dict[tuple[str, Any, Any, Any], Route] = {}
+        self._connection: Any = None
+        self._producer: Any = None
+        self._events: Any = None
+        self._declared: set[Queue | Exchange] = set()
+        self._batching = False
+
+    # -- public API ---------------------------------------------------------
+
+    def publish(self, jobs: Sequence[Job], *, epoch: int, now: dt.datetime) -> PublishResult:
+        sent: list[uuid.UUID] = []
+        failed: list[uuid.UUID] = []
+        expired: list[uuid.UUID] = []
+        todo = self._prepare(jobs, epoch=epoch, now=now, failed=failed, expired=expired)
+        rejected: set[uuid.UUID] = set()
+        if todo:
+            try:
+                call_with_retry(
+                    lambda: self._send(todo, sent, rejected),
+                    transient=TRANSIENT_ERRORS,
+                    translate=lambda exc: PublishError(
+                        f"publishing to {self._url} failed: {type(exc).__name__}: {exc}"
+                    ),
+                    what="publish",
+                    url=self._url,
+                    attempts=self._settings.connect_retries,
+                    backoff=self._settings.retry_backoff,
+                    sleep=self._sleep,
+                )
+            except CelerySchedError as exc:
+                # ``todo`` holds exactly the jobs not known to be sent.
+                logger.error(
+                    "could not publish %d of %d jobs to %s: %s",
+                    len(todo),
+                    len(jobs),
+                    self._url,
+                    exc,
+                )
+                failed.extend(m.job_id for m in todo if m.job_id not in rejected)
+        if rejected:
+            failed.extend(job_id for job_id in rejected)
+        return PublishResult(sent=sent, failed=failed, expired=expired)
+
+    def close(self) -> None:
+        self._reset()
+
+    # -- preparing messages (no I/O) ------------------------------------------
+
+    def _prepare(
+        self,
+        jobs: Sequence[Job],
+        *,
+        epoch: int,
+        now: dt.datetime,
+        failed: list[uuid.UUID],
+        expired: list[uuid.UUID],
+    ) -> list[_Message]:
+        base = base_headers(origin=self._settings.hostname, epoch=epoch)
+        routes = self._routes
+        todo: list[_Message] = []
+        append = todo.append
+        for job in jobs:
+            if is_expired(job, now):
+                expired.append(job.id)
+                continue
+            options = job.options
+            if options:
+                route_key = (
+                    job.task,
+                    options.get("queue"),
+                    options.get("exchange"),
+                    options.get("routing_key"),
+                )
+            else:
+                route_key = (job.task, None, None, None)
+            route = routes.get(route_key)
+            if route is None:
+                try:
+                    route = routes[route_key] = self._resolve_route(*route_key)
+                except Exception:
+                    # An unroutable job (e.g. a queue missing from
+                    # task_queues) fails the same way on every attempt.
+                    logger.exception("cannot route job %s (task %s)", job.key, job.task)
+                    failed.append(job.id)
+                    continue
+            priority = route.priority
+            if options and "priority" in options:
+                priority = options["priority"]
+            expiration = None
+            if job.expires_at is not None:
+                # Celery sets the AMQP TTL from ``expires`` too, so RabbitMQ
+                # drops the message rather than delivering it late.
+                expiration = (job.expires_at - now).total_seconds()
+            task_id = str(job.id)
+            append(
+                _Message(
+                    job.id,
+                    task_id,
+                    job.body,
+                    job.content_type,
+                    job.content_encoding,
+                    message_headers(base, job, task_id),
+                    route,
+                    priority,
+                    expiration,
+                )
+            )
+        return todo
+
+    def _resolve_route(self, task: str, queue: Any, exchange: Any, routing_key: Any) -> Route:
+        """Route like ``send_task``: task options < task_routes < the job's own."""
+        app = self._app
+        amqp_ = app.amqp
+        options: dict[str, Any] = {}
+        task_type = app.tasks.get(task)
+        if task_type is not None:
+            for name in ("queue", "exchange", "routing_key", "priority"):
+                value = getattr(task_type, name, None)
+                if value is not None:
+                    options[name] = value
+        for name, value in (("queue", queue), ("exchange", exchange), ("routing_key", routing_key)):
+            if value is not None:
+                options[name] = value
+        route = amqp_.router.route(options, task, (), {}, task_type)
+
+        dest = route.get("queue")
+        exch = route.get("exchange")
+        rkey = route.get("routing_key")
+        if dest is None and exch is None:
+            dest = amqp_.default_queue
+        if isinstance(dest, str):
+            dest = amqp_.queues[dest]
+        qname = dest.name if dest is not None else None
+
+        delivery_mode = route.get("delivery_mode")
+        if delivery_mode is None and dest is not None:
+            delivery_mode = dest.exchange.delivery_mode
+        delivery_mode = maybe_delivery_mode(delivery_mode or self._default_delivery_mode)
+
+        exchange_type = route.get("exchange_type")
+        if exchange_type is None:
+            exchange_type = dest.exchange.type if dest is not None else "direct"
+        declare: Queue | Exchange | None = None
+        if (not exch or not rkey) and exchange_type == "direct":
+            # The default exchange delivers straight to the queue named by
+            # the routing key: no exchange lookup on the broker.
+            exch, rkey = "", qname
+        elif exch is None:
+            exch = dest.exchange.name or amqp_.default_exchange.name
+            rkey = rkey or dest.routing_key or app.conf.task_default_routing_key
+        if dest is not None and not isinstance(dest, Broadcast):
+            declare = dest
+        elif isinstance(exch, Exchange):
+            declare = exch
+        if isinstance(exch, Exchange):
+            exch = exch.name
+        priority = route.get("priority", self._default_priority)
+        return Route(
+            exchange=exch or "",
+            routing_key=rkey or "",
+            queue=qname,
+            delivery_mode=delivery_mode,
+            priority=priority,
+            declare=declare,
+        )
+
+    # -- I/O ------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        if self._producer is None:
+            connection = self._app.connection_for_write()
+            try:
+                # Bounded: one connection attempt; call_with_retry owns the backoff.
+                connection.connect()
+                channel = connection.channel()
+                self._producer = self._app.amqp.Producer(channel, auto_declare=False)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    connection.release()
+                raise
+            self._connection = connection
+            self._declared = set()
+            self._batching = bool(self._producer.supports_batch_publish)
+            if self._send_sent_event:
+                self._events = self._app.events.Dispatcher(
+                    connection,
+                    hostname=self._settings.hostname,
+                    # We pass our producer to publish(); the dispatcher's own
+                    # producer would be an idle second channel.
+                    enabled=False,
+                    # A failed event must fail the batch, not sit in a buffer.
+                    buffer_while_offline=False,
+                )
+            logger.debug("connected to broker %s", self._url)
+        return self._producer
+
+    def _reset(self) -> None:
+        producer, connection, events = self._producer, self._connection, self._events
+        self._producer = self._connection = self._events = None
+        self._declared = set()
+        if events is not None:
+            with contextlib.suppress(Exception):
+                events.close()
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.channel.close()
+        if connection is not None:
+            # A broken socket can fail on close; the connection is dropped anyway.
+            with contextlib.suppress(Exception):
+                connection.release()
+
+    def _send(self, todo: list[_Message], sent: list[uuid.UUID], rejected: set[uuid.UUID]) -> None:
+        """Publish ``todo``, removing each job from it once it is known to be sent.
+
+        What "known to be sent" means: on a batching transport (Redis), every
+        job of a chunk whose pipeline executed; when a flush fails, the
+        broker may or may not have applied that chunk, so its jobs stay in
+        ``todo`` and are published again (a duplicate is acceptable, a loss
+        is not). On other transports (RabbitMQ) a job is sent once
+        ``basic_publish`` wrote it to the socket; a message lost after that
+        (connection dropped before the broker read it) is recovered by the
+        reconciler after the visibility timeout. Set ``confirm_publish`` in
+        ``broker_transport_options`` to have every publish wait for the
+        broker's acknowledgement instead.
+
+        A job whose own message cannot be published (not a broker failure)
+        goes to ``rejected`` and is skipped by later attempts.
+        """
+        done = 0
+        try:
+            producer = self._connect()
+            if self._redis_direct(producer, todo):
+                self._send_redis(producer, todo, sent, rejected)
+                return
+            chunk = self._chunk if self._batching else 1
+            events = self._events if self._send_sent_event else None
+            publish = producer.publish
+            reply_to = self._reply_to
+            declared = self._declared
+            total = len(todo)
+            with producer.batch(max_size=_NO_AUTO_FLUSH) as batch:
+                while done < total:
+                    end = min(done + chunk, total)
+                    for index in range(done, end):
+                        message = todo[index]
+                        if rejected and message.job_id in rejected:
+                            continue
+                        route = message.route
+                        entity = route.declare
+                        if entity is not None and entity not in declared:
+                            # Once per connection, so a message to a new queue
+                            # is not dropped by RabbitMQ.
+                            entity.bind(producer.channel).declare()
+                            declared.add(entity)
+                        try:
+                            properties: dict[str, Any] = {}
+                            if message.expiration is not None:
+                                properties["expiration"] = max(message.expiration, 0.0)
+                            publish(
+                                message.body,
+                                exchange=route.exchange,
+                                routing_key=route.routing_key,
+                                content_type=message.content_type,
+                                content_encoding=message.content_encoding,
+                                headers=message.headers,
+                                delivery_mode=route.delivery_mode,
+                                priority=message.priority,
+                                correlation_id=message.task_id,
+                                reply_to=reply_to,
+                                **properties,
+                            )
+                            if events is not None:
+                                self._send_event(events, producer, message)
+                        except TRANSIENT_ERRORS:
+                            raise
+                        except Exception:
+                            logger.exception(
+                                "cannot publish job %s (task %s)",
+                                message.headers.get(HEADER_KEY),
+                                message.headers.get("task"),
+                            )
+                            rejected.add(message.job_id)
+                    batch.flush()
+                    for index in range(done, end):
+                        job_id = todo[index].job_id
+                        if not rejected or job_id not in rejected:
+                            sent.append(job_id)
+                    done = end
+        except TRANSIENT_ERRORS:
+            self._reset()
+            raise
+        finally:
+            del todo[:done]
+
+    def _redis_direct(self, producer: Any, todo: list[_Message]) -> bool:
+        """Whether ``todo`` can skip Kombu's per-message publish machinery.
+
+        Only on the Redis transport, for messages to the default exchange
+        (the queue is the Redis list), without queue expiry, and without
+        task-sent events (those go through the event dispatcher).
+        """
+        if not self._batching or self._send_sent_event:
+            return False
+        channel = producer.channel
+        if getattr(channel.connection.client.transport, "driver_type", None) != "redis":
+            return False
+        expiring = channel._expires
+        return all(m.route.exchange == "" and m.route.routing_key not in expiring for m in todo)
+
+    def _send_redis(
+        self,
+        producer: Any,
+        todo: list[_Message],
+        sent: list[uuid.UUID],
+        rejected: set[uuid.UUID],
+    ) -> None:
+        """Write each chunk as one pipelined ``LPUSH`` per destination list.
+
+        The envelope is exactly what Kombu's Redis transport writes for a
+        ``basic_publish`` to the default exchange (``virtual.Channel.
+        prepare_message`` + ``_inplace_augment_message`` + ``_put``), so a
+        stock worker consumes it; building it here saves most of the
+        per-message Python work (the publish benchmark measures the gain).
+        Multi-value ``LPUSH`` keeps FIFO order: the worker pops from the
+        right. Chunk accounting is the same as in :meth:`_send`.
+        """
+        channel = producer.channel
+        dumps = json.dumps
+        b64encode = base64.b64encode
+        new_tag = uuid.uuid4
+        reply_to = self._reply_to
+        declared = self._declared
+        min_priority, max_priority = channel.min_priority, channel.max_priority
+        q_for_pri = channel._q_for_pri
+        keys: dict[tuple[str, int], str] = {}
+        done = 0
+        total = len(todo)
+        try:
+            with channel.conn_or_acquire() as client:
+                while done < total:
+                    end = min(done + self._chunk, total)
+                    lists: dict[str, list[str]] = {}
+                    for index in range(done, end):
+                        message = todo[index]
+                        if rejected and message.job_id in rejected:
+                            continue
+                        route = message.route
+                        entity = route.declare
+                        if entity is not None and entity not in declared:
+                            entity.bind(channel).declare()
+                            declared.add(entity)
+                        try:
+                            priority = message.priority or 0
+                            priority = max(min(int(priority), max_priority), min_priority)
+                            properties: dict[str, Any] = {
+                                "correlation_id": message.task_id,
+                                "reply_to": reply_to,
+                                "delivery_mode": route.delivery_mode,
+                                "delivery_info": {
+                                    "exchange": "",
+                                    "routing_key": route.routing_key,
+                                },
+                                "priority": priority,
+                                "body_encoding": "base64",
+                                "delivery_tag": str(new_tag()),
+                            }
+                            if message.expiration is not None:
+                                properties["expiration"] = str(
+                                    int(max(message.expiration, 0.0) * 1000)
+                                )
+                            payload = dumps(
+                                {
+                                    "body": b64encode(message.body).decode("ascii"),
+                                    "content-encoding": message.content_encoding,
+                                    "content-type": message.content_type,
+                                    "headers": message.headers,
+                                    "properties": properties,
+                                }
+                            )
+                        except (TypeError, ValueError):
+                            logger.exception(
+                                "cannot encode job %s (task %s)",
+                                message.headers.get(HEADER_KEY),
+                                message.headers.get("task"),
+                            )
+                            rejected.add(message.job_id)
+                            continue
+                        list_key = (route.routing_key, priority)
+                        key = keys.get(list_key)
+                        if key is None:
+                            key = keys[list_key] = q_for_pri(route.routing_key, priority)
+                        payloads = lists.get(key)
+                        if payloads is None:
+                            lists[key] = [payload]
+                        else:
+                            payloads.append(payload)
+                    if lists:
+                        pipe = client.pipeline(transaction=False)
+                        for key, payloads in lists.items():
+                            pipe.lpush(key, *payloads)
+                        pipe.execute()
+                    for index in range(done, end):
+                        job_id = todo[index].job_id
+                        if not rejected or job_id not in rejected:
+                            sent.append(job_id)
+                    done = end
+        finally:
+            del todo[:done]
+
+    def _send_event(self, events: Any, producer: Any, message: _Message) -> None:
+        headers = message.headers
+        route = message.route
+        # The fields of Celery's own task-sent event; the event's hostname
+        # (ours) is what Flower shows as the task's client.
+        events.publish(
+            "task-sent",
+            {
+                "uuid": message.task_id,
+                "root_id": message.task_id,
+                "parent_id": None,
+                "name": headers["task"],
+                "args": headers["argsrepr"],
+                "kwargs": headers["kwargsrepr"],
+                "retries": 0,
+                "eta": None,
+                "expires": headers["expires"],
+                "queue": route.queue,
+                "exchange": route.exchange,
+                "routing_key": route.routing_key,
+            },
+            producer,
+        )

@@ -1,0 +1,124 @@
+"""An in-memory dispatcher for unit tests: records messages instead of sending them."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from celery_sched.dispatch import base_headers, is_expired, message_headers
+from celery_sched.interfaces import Dispatcher, PublishResult
+from celery_sched.models import Job
+
+DEFAULT_QUEUE = "celery"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PublishedMessage:
+    """One message the fake would have put on the broker."""
+
+    job_id: uuid.UUID
+    task: str
+    headers: dict[str, Any]
+    body: bytes
+    content_type: str
+    content_encoding: str
+    queue: str
+    exchange: str
+    routing_key: str
+    priority: int | None
+    epoch: int
+
+
+class MemoryDispatcher(Dispatcher):
+    """Records published messages; can be told to fail.
+
+    Expiry is judged exactly like the real dispatcher (``expires_at <= now``).
+    Routing is the job's own ``queue`` / ``exchange`` / ``routing_key``
+    options over ``default_queue`` (no ``task_routes``: there is no app).
+    Thread-safe, so an engine thread and a test thread may share it.
+    """
+
+    def __init__(self, *, origin: str = "celery_sched@memory", default_queue: str = DEFAULT_QUEUE):
+        self.origin = origin
+        self.default_queue = default_queue
+        self.messages: list[PublishedMessage] = []
+        self.publish_calls = 0
+        self.closed = False
+        self._fail_next = 0
+        self._down = False
+        self._lock = threading.Lock()
+
+    # -- test controls --------------------------------------------------------
+
+    def fail_next(self, count: int) -> None:
+        """Make the next ``count`` messages fail (reported in ``failed``), as if
+        the broker dropped the connection for them."""
+        if count < 0:
+            raise ValueError("count must not be negative")
+        with self._lock:
+            self._fail_next = count
+
+    def set_down(self, down: bool = True) -> None:
+        """Fail every message until called again with ``False`` (broker outage)."""
+        with self._lock:
+            self._down = down
+
+    def sent_ids(self) -> list[uuid.UUID]:
+        """Ids of every recorded message, in publish order (duplicates kept)."""
+        with self._lock:
+            return [message.job_id for message in self.messages]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.messages.clear()
+
+    # -- Dispatcher -----------------------------------------------------------
+
+    def publish(self, jobs: Sequence[Job], *, epoch: int, now: dt.datetime) -> PublishResult:
+        sent: list[uuid.UUID] = []
+        failed: list[uuid.UUID] = []
+        expired: list[uuid.UUID] = []
+        base = base_headers(origin=self.origin, epoch=epoch)
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("MemoryDispatcher used after close()")
+            self.publish_calls += 1
+            for job in jobs:
+                if is_expired(job, now):
+                    expired.append(job.id)
+                    continue
+                if self._down or self._fail_next > 0:
+                    if self._fail_next > 0:
+                        self._fail_next -= 1
+                    failed.append(job.id)
+                    continue
+                options = job.options
+                queue = str(options.get("queue") or self.default_queue)
+                exchange = str(options.get("exchange") or "")
+                routing_key = str(options.get("routing_key") or queue)
+                priority = options.get("priority")
+                self.messages.append(
+                    PublishedMessage(
+                        job_id=job.id,
+                        task=job.task,
+                        headers=message_headers(base, job, str(job.id)),
+                        body=job.body,
+                        content_type=job.content_type,
+                        content_encoding=job.content_encoding,
+                        queue=queue,
+                        exchange=exchange,
+                        routing_key=routing_key,
+                        priority=None if priority is None else int(priority),
+                        epoch=epoch,
+                    )
+                )
+                sent.append(job.id)
+        return PublishResult(sent=sent, failed=failed, expired=expired)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True

@@ -1,0 +1,317 @@
+"""KombuDispatcher against real brokers, with a real ``celery worker`` running the messages."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu.serialization import dumps
+from kombu.utils.encoding import safe_repr
+
+from celery_sched.dispatch.kombu import KombuDispatcher
+from celery_sched.models import Job, JobStatus
+from celery_sched.settings import Settings
+from celery_sched.timeutil import to_bucket
+from tests.integration.dispatch_app import RECORD_TASK, ROUTED_TASK, make_app
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CELERY = str(Path(sys.executable).with_name("celery"))
+EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+def make_job(
+    task: str,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    key: str | None = None,
+    options: dict[str, Any] | None = None,
+    expires_at: dt.datetime | None = None,
+    attempt: int = 0,
+) -> Job:
+    kwargs = kwargs or {}
+    content_type, encoding, body = dumps([list(args), kwargs, EMBED], serializer="json")
+    now = dt.datetime.now(dt.UTC)
+    return Job(
+        id=uuid.uuid4(),
+        key=key or f"job-{uuid.uuid4().hex[:8]}",
+        task=task,
+        body=body if isinstance(body, bytes) else body.encode(),
+        content_type=content_type,
+        content_encoding=encoding,
+        argsrepr=safe_repr(args),
+        kwargsrepr=safe_repr(kwargs),
+        due_at=now,
+        due_bucket=to_bucket(now),
+        status=JobStatus.DISPATCHED,
+        options=options or {},
+        expires_at=expires_at,
+        attempt=attempt,
+    )
+
+
+class Worker:
+    """A stock ``celery worker`` subprocess on the given queues."""
+
+    def __init__(self, broker: str, redis_url: str, queues: list[str], routed_queue: str) -> None:
+        self.results_key = "dispatch_results_" + uuid.uuid4().hex[:12]
+        self.redis = redis.Redis.from_url(redis_url)
+        env = dict(
+            os.environ,
+            DISPATCH_TEST_BROKER=broker,
+            DISPATCH_TEST_REDIS=redis_url,
+            DISPATCH_TEST_RESULTS=self.results_key,
+            DISPATCH_TEST_ROUTED_QUEUE=routed_queue,
+        )
+        self.process = subprocess.Popen(
+            [
+                CELERY,
+                "-A",
+                "tests.integration.dispatch_app",
+                "worker",
+                "--pool=solo",
+                "-Q",
+                ",".join(queues),
+                "-n",
+                f"w-{uuid.uuid4().hex[:6]}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel=WARNING",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    def results(self, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.redis.llen(self.results_key) >= count:
+                break
+            assert self.process.poll() is None, self.process.stderr.read().decode()  # type: ignore[union-attr]
+            time.sleep(0.1)
+        return [json.loads(raw) for raw in self.redis.lrange(self.results_key, 0, -1)]
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.redis.delete(self.results_key)
+        self.redis.close()
+
+
+def delete_queues(app: Celery, queues: list[str], redis_url: str) -> None:
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        for queue in queues:
+            channel.queue_delete(queue)
+    if app.conf.broker_url.startswith("redis"):
+        client = redis.Redis.from_url(redis_url)
+        client.delete(*(f"_kombu.binding.{queue}" for queue in queues))
+        client.close()
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def broker(request: pytest.FixtureRequest, redis_url: str) -> str:
+    if request.param == "redis":
+        return redis_url
+    return str(request.getfixturevalue("amqp_url"))
+
+
+@pytest.fixture
+def queues(unique_name: str) -> dict[str, str]:
+    return {name: f"{unique_name}_{name}" for name in ("default", "routed", "option")}
+
+
+@pytest.fixture
+def publisher_app(broker: str, queues: dict[str, str], redis_url: str) -> Iterator[Celery]:
+    app = make_app(broker, queues["routed"])
+    app.conf.task_default_queue = queues["default"]
+    yield app
+    delete_queues(app, list(queues.values()), redis_url)
+
+
+@pytest.fixture
+def worker(
+    broker: str, redis_url: str, queues: dict[str, str], publisher_app: Celery
+) -> Iterator[Worker]:
+    process = Worker(broker, redis_url, list(queues.values()), queues["routed"])
+    yield process
+    process.stop()
+
+
+def test_stock_worker_runs_published_jobs(
+    publisher_app: Celery, worker: Worker, queues: dict[str, str], redis_url: str
+) -> None:
+    settings = Settings(redis_url=redis_url, hostname="celery_sched@test")
+    dispatcher = KombuDispatcher(publisher_app, settings)
+    now = dt.datetime.now(dt.UTC)
+    plain = [make_job(RECORD_TASK, (i, "a"), {"n": i}, attempt=2) for i in range(20)]
+    routed = make_job(ROUTED_TASK, ("routed",), key="routed-job")
+    by_option = make_job(
+        RECORD_TASK,
+        ("by-option",),
+        options={"queue": queues["option"], "priority": 7, "headers": {"x_custom": "yes"}},
+    )
+    expiring = make_job(RECORD_TASK, ("later",), expires_at=now + dt.timedelta(minutes=5))
+    expired = make_job(RECORD_TASK, ("too late",), expires_at=now - dt.timedelta(seconds=1))
+    jobs = [*plain, routed, expired, by_option, expiring]
+    try:
+        result = dispatcher.publish(jobs, epoch=42, now=now)
+    finally:
+        dispatcher.close()
+
+    assert result.failed == []
+    assert result.expired == [expired.id]
+    assert sorted(result.sent) == sorted(j.id for j in jobs if j is not expired)
+
+    runs = worker.results(len(jobs) - 1)
+    time.sleep(0.5)  # a late duplicate or the expired job would show up here
+    runs = worker.results(len(jobs) - 1)
+    by_id = {run["id"]: run for run in runs}
+    assert len(runs) == len(jobs) - 1 == len(by_id)  # each exactly once
+    assert str(expired.id) not in by_id
+    for job in plain:
+        run = by_id[str(job.id)]
+        assert run["task"] == RECORD_TASK
+        assert run["args"] == list(job.args) and run["kwargs"] == job.kwargs
+        assert run["root_id"] == str(job.id)
+        assert run["key"] == job.key and run["attempt"] == 2 and run["epoch"] == 42
+        assert run["beat"] is True
+        assert run["origin"] == "celery_sched@test"
+        assert run["routing_key"] == queues["default"]
+    assert by_id[str(routed.id)]["task"] == ROUTED_TASK
+    assert by_id[str(routed.id)]["routing_key"] == queues["routed"]
+    assert by_id[str(routed.id)]["key"] == "routed-job"
+    option_run = by_id[str(by_option.id)]
+    assert option_run["routing_key"] == queues["option"]
+    assert option_run["priority"] == 7
+    assert option_run["custom"] == "yes"
+    assert by_id[str(expiring.id)]["args"] == ["later"]
+
+
+def test_task_sent_events_name_the_scheduler(
+    broker: str, queues: dict[str, str], publisher_app: Celery, redis_url: str
+) -> None:
+    publisher_app.conf.task_send_sent_event = True
+    events: list[dict[str, Any]] = []
+    ready = threading.Event()
+    with publisher_app.connection_for_read() as conn:
+        receiver = publisher_app.events.Receiver(
+            conn, handlers={"task-sent": events.append}, queue_ttl=60
+        )
+        receiver.on_consume_ready = lambda *a, **kw: ready.set()  # type: ignore[method-assign]
+        errors: list[BaseException] = []
+
+        def capture() -> None:
+            try:
+                receiver.capture(limit=3, timeout=15, wakeup=False)
+            except BaseException as exc:  # surfaced by the assertions below
+                errors.append(exc)
+
+        thread = threading.Thread(target=capture, daemon=True)
+        thread.start()
+        assert ready.wait(10)
+        time.sleep(1.0)  # the Redis fanout subscribes on the first poll
+
+        settings = Settings(redis_url=redis_url, hostname="celery_sched@events-test")
+        dispatcher = KombuDispatcher(publisher_app, settings)
+        jobs = [make_job(RECORD_TASK, (i,), {"k": "v"}) for i in range(3)]
+        try:
+            result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+        finally:
+            dispatcher.close()
+        assert len(result.sent) == 3
+        thread.join(20)
+        receiver.should_stop = True
+
+    assert not errors, errors
+    by_uuid = {event["uuid"]: event for event in events}
+    assert set(by_uuid) == {str(job.id) for job in jobs}
+    for job in jobs:
+        event = by_uuid[str(job.id)]
+        assert event["type"] == "task-sent"
+        assert event["name"] == RECORD_TASK
+        assert event["args"] == job.argsrepr
+        assert event["kwargs"] == job.kwargsrepr
+        assert event["hostname"] == "celery_sched@events-test"
+        assert event["queue"] == queues["default"]
+        assert event["root_id"] == str(job.id)
+        assert event["retries"] == 0
+
+
+def test_unreachable_broker_fails_everything_without_raising(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = Celery("unreachable", broker="redis://:secret@127.0.0.1:1/0", set_as_current=False)
+    settings = Settings(hostname="celery_sched@test", connect_retries=3, retry_backoff=0.05)
+    dispatcher = KombuDispatcher(app, settings)
+    jobs = [make_job(RECORD_TASK, (i,)) for i in range(5)]
+    start = time.monotonic()
+    with caplog.at_level("WARNING"):
+        result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+    elapsed = time.monotonic() - start
+    dispatcher.close()
+    assert result.sent == [] and result.expired == []
+    assert sorted(result.failed) == sorted(job.id for job in jobs)
+    assert elapsed < 10
+    retries = [
+        r for r in caplog.records if r.levelname == "WARNING" and "retrying" in r.getMessage()
+    ]
+    assert len(retries) == 2  # attempts - 1
+    assert all("secret" not in r.getMessage() for r in caplog.records)
+
+
+def test_failed_flush_midway_republishes_only_unconfirmed_chunks(
+    redis_url: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(redis_url, unique_name + "_routed")
+    app.conf.task_default_queue = unique_name
+    dispatcher = KombuDispatcher(
+        app, Settings(redis_url=redis_url, retry_backoff=0.01), chunk=2, sleep=lambda _: None
+    )
+    calls = {"n": 0}
+    real_execute = redis.client.Pipeline.execute
+
+    def flaky_execute(self: redis.client.Pipeline, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second chunk's round trip is lost
+            raise redis.exceptions.ConnectionError("connection reset")
+        return real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", flaky_execute)
+    jobs = [make_job(RECORD_TASK, (i,)) for i in range(6)]
+    client = redis.Redis.from_url(redis_url)
+    try:
+        result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+        assert result.failed == [] and result.expired == []
+        assert result.sent == [job.id for job in jobs]
+        # The first chunk was confirmed before the failure and is not sent again;
+        # the failed chunk had not reached Redis, so nothing is duplicated.
+        raw = client.lrange(unique_name, 0, -1)
+        ids = [json.loads(item)["headers"]["id"] for item in reversed(raw)]
+        assert ids == [str(job.id) for job in jobs]
+    finally:
+        dispatcher.close()
+        client.delete(unique_name, f"_kombu.binding.{unique_name}")
+        client.close()
