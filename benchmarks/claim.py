@@ -1,0 +1,162 @@
+"""Claim throughput of PostgresJobStore with many future jobs in the table.
+
+For each future-row count (default 1,000,000 then 5,000,000) a fresh schema is
+loaded with that many future jobs plus ``--due`` jobs due now, vacuumed and
+analyzed, then drained with ``claim_due`` in batches of ``--batch``. The claim
+rate must not depend on how many future rows there are (the partial pending
+index is scanned from the oldest due row and stops at the current minute).
+
+Usage: .venv/bin/python benchmarks/claim.py [--future 1000000 5000000] [--due 100000]
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+
+from celery_sched.models import NewJob
+from celery_sched.settings import Settings
+from celery_sched.store.postgres import PostgresJobStore
+
+DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+BODY = b'[[1, 2], {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
+
+
+FUTURE_SQL = """
+INSERT INTO "{schema}".jobs (id, key, task, body, content_type, content_encoding,
+    argsrepr, kwargsrepr, options, due_at, due_bucket, max_attempts, shard)
+SELECT gen_random_uuid(), 'future-' || i, 'bench.add', convert_to('[[1, 2], {{}}, {{}}]', 'UTF8'),
+    'application/json', 'utf-8', '(1, 2)', '{{}}', '{{"queue": "celery"}}'::jsonb, due,
+    floor(extract(epoch FROM due) / 60)::int, 5, 0
+FROM (
+    SELECT i, now() + interval '1 day' + (i %% 2592000) * interval '1 second' AS due
+    FROM generate_series(1, %(n)s) AS i
+) AS g
+"""
+
+
+def jobs(prefix: str, count: int, start: dt.datetime, spread: dt.timedelta) -> Iterator[NewJob]:
+    step = spread / max(count, 1)
+    options = {"queue": "celery"}
+    for i in range(count):
+        yield NewJob(
+            id=uuid.uuid4(),
+            key=f"{prefix}-{i}",
+            task="bench.add",
+            body=BODY,
+            content_type="application/json",
+            content_encoding="utf-8",
+            argsrepr="(1, 2)",
+            kwargsrepr="{}",
+            due_at=start + step * i,
+            options=options,
+        )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(url: str, future: int, due: int, batch: int) -> dict[str, Any]:
+    schema = f"bench_claim_{uuid.uuid4().hex[:8]}"
+    settings = Settings(database_url=url, db_schema=schema, statement_timeout=600.0)
+    store = PostgresJobStore(settings)
+    try:
+        store.migrate()
+        now = store.now()
+        started = time.perf_counter()
+        with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
+            # The future rows are filler: generate them server-side, which is
+            # far faster than streaming millions of rows from Python. They
+            # start a day ahead so that even a slow load never makes them due.
+            conn.execute(FUTURE_SQL.format(schema=schema), {"n": future})
+        future_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        # The due rows go through the real bulk path (COPY via insert_many).
+        loaded = store.insert_many(
+            jobs("due", due, now - dt.timedelta(minutes=10), dt.timedelta(minutes=9))
+        )
+        load_seconds = time.perf_counter() - started
+        with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
+            conn.execute(f'VACUUM ANALYZE "{schema}".jobs')
+        print(
+            f"future={future:,}: generated future rows in {future_seconds:.1f}s; "
+            f"insert_many {loaded:,} rows in {load_seconds:.1f}s "
+            f"({loaded / load_seconds:,.0f} rows/s)",
+            file=sys.stderr,
+        )
+
+        epoch = store.acquire_epoch(0, "bench")
+        latencies: list[float] = []
+        claimed = 0
+        started = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            got = store.claim_due(shard=0, epoch=epoch, limit=batch)
+            if not got:
+                break
+            latencies.append(time.perf_counter() - t0)
+            claimed += len(got)
+        elapsed = time.perf_counter() - started
+        if claimed != due:
+            raise SystemExit(f"claimed {claimed} rows, expected {due}")
+        result = {
+            "future_rows": future,
+            "due_rows": due,
+            "batch": batch,
+            "claimed": claimed,
+            "seconds": round(elapsed, 3),
+            "rows_per_s": round(claimed / elapsed),
+            "p50_ms": round(statistics.median(latencies) * 1000, 2),
+            "p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
+            "insert_many_rows_per_s": round(loaded / load_seconds),
+        }
+        print(
+            f"future={future:,}: claimed {claimed:,} in {elapsed:.2f}s = "
+            f"{result['rows_per_s']:,} rows/s, p50 {result['p50_ms']} ms, "
+            f"p99 {result['p99_ms']} ms per batch of {batch}",
+            file=sys.stderr,
+        )
+        return result
+    finally:
+        store.close()
+        with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--future", type=int, nargs="+", default=[1_000_000, 5_000_000])
+    parser.add_argument("--due", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument(
+        "--url", default=os.environ.get("CELERY_SCHED_TEST_DATABASE_URL", DEFAULT_URL)
+    )
+    args = parser.parse_args()
+    runs = [run(args.url, future, args.due, args.batch) for future in args.future]
+    summary: dict[str, Any] = {"benchmark": "claim", "runs": runs}
+    if len(runs) >= 2:
+        summary["rate_ratio_last_vs_first"] = round(
+            runs[-1]["rows_per_s"] / runs[0]["rows_per_s"], 3
+        )
+    summary["target_rows_per_s"] = 50_000
+    summary["meets_target"] = all(r["rows_per_s"] >= 50_000 for r in runs) and (
+        len(runs) < 2 or summary["rate_ratio_last_vs_first"] >= 0.8
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

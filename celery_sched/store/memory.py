@@ -1,0 +1,422 @@
+"""An in-memory :class:`~celery_sched.interfaces.JobStore` for unit tests.
+
+It mirrors the PostgreSQL store's semantics exactly (the contract suite in
+``tests/contract`` runs against both): one lock stands in for transactions,
+and the injectable ``clock`` plays Postgres ``now()``. Nothing here is meant
+for production: everything is lost with the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+from celery_sched.errors import DuplicateJob, StaleEpoch
+from celery_sched.interfaces import JobStore
+from celery_sched.models import FINISHED_STATUSES, Job, JobStatus, NewJob, ReconcileResult
+from celery_sched.timeutil import UTC, ensure_utc, to_bucket
+
+_CLAIMABLE_BY_WORKER = frozenset({JobStatus.DISPATCHED, JobStatus.RETRYING, JobStatus.PENDING})
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(UTC)
+
+
+class MemoryJobStore(JobStore):
+    """Jobs in a dict, guarded by one lock.
+
+    ``clock`` returns the store's "now" (aware UTC); tests pass a fake clock
+    to move time without sleeping.
+    """
+
+    def __init__(self, clock: Callable[[], dt.datetime] | None = None) -> None:
+        self._clock = clock or _utcnow
+        self._lock = threading.RLock()
+        self._jobs: dict[uuid.UUID, Job] = {}
+        self._by_key: dict[str, uuid.UUID] = {}
+        self._epochs: dict[int, int] = {}
+        self._holders: dict[int, str] = {}
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Nothing to create; present for interface parity."""
+
+    def close(self) -> None:
+        self._closed = True
+
+    def now(self) -> dt.datetime:
+        value = self._clock()
+        if value.tzinfo is None:
+            raise ValueError("MemoryJobStore clock must return an aware datetime")
+        return value.astimezone(UTC)
+
+    # -- writing jobs -------------------------------------------------------
+
+    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+        with self._lock:
+            existing = self._by_key.get(job.key)
+            if existing is not None:
+                if if_exists == "return":
+                    return self._jobs[existing]
+                raise DuplicateJob(key=job.key)
+            if job.id in self._jobs:
+                raise DuplicateJob(f"a job with id {job.id} already exists", key=job.key)
+            stored = self._new_row(job, self.now())
+            self._put(stored)
+            return stored
+
+    def insert_many(self, jobs: Iterable[NewJob]) -> int:
+        with self._lock:
+            now = self.now()
+            staged: dict[str, Job] = {}
+            ids: set[uuid.UUID] = set()
+            # The iterable is consumed lazily, as COPY would stream it; an
+            # exception it raises propagates unchanged and nothing is kept.
+            for job in jobs:
+                if job.key in self._by_key or job.key in staged:
+                    raise DuplicateJob(key=job.key)
+                if job.id in self._jobs or job.id in ids:
+                    raise DuplicateJob(f"a job with id {job.id} already exists", key=job.key)
+                staged[job.key] = self._new_row(job, now)
+                ids.add(job.id)
+            for stored in staged.values():
+                self._put(stored)
+            return len(staged)
+
+    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+        with self._lock:
+            now = self.now()
+            written: list[uuid.UUID] = []
+            for job in jobs:
+                if job.key in self._by_key or job.id in self._jobs:
+                    continue
+                self._put(self._new_row(job, now))
+                written.append(job.id)
+            return written
+
+    # -- reading ------------------------------------------------------------
+
+    def get(self, key: str) -> Job | None:
+        with self._lock:
+            job_id = self._by_key.get(key)
+            return None if job_id is None else self._jobs[job_id]
+
+    def get_by_id(self, job_id: uuid.UUID) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def counts_by_status(self) -> dict[JobStatus, int]:
+        with self._lock:
+            counts: dict[JobStatus, int] = {}
+            for job in self._jobs.values():
+                counts[job.status] = counts.get(job.status, 0) + 1
+            return counts
+
+    def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
+        with self._lock:
+            counts: dict[dt.datetime, int] = {}
+            for job in self._jobs.values():
+                if status is not None and job.status != status:
+                    continue
+                hour = job.due_at.replace(minute=0, second=0, microsecond=0)
+                counts[hour] = counts.get(hour, 0) + 1
+            return counts
+
+    # -- user transitions ---------------------------------------------------
+
+    def cancel(self, key: str) -> bool:
+        with self._lock:
+            job_id = self._by_key.get(key)
+            if job_id is None:
+                return False
+            job = self._jobs[job_id]
+            if job.status != JobStatus.PENDING:
+                return False
+            self._update(job, status=JobStatus.CANCELLED, finished_at=self.now())
+            return True
+
+    # -- leadership fencing -------------------------------------------------
+
+    def acquire_epoch(self, shard: int, holder: str) -> int:
+        with self._lock:
+            epoch = self._epochs.get(shard, 0) + 1
+            self._epochs[shard] = epoch
+            self._holders[shard] = holder
+            return epoch
+
+    def current_epoch(self, shard: int) -> int:
+        with self._lock:
+            return self._epochs.get(shard, 0)
+
+    def _check_epoch(self, shard: int, epoch: int) -> None:
+        current = self._epochs.get(shard, 0)
+        if current == 0 or epoch != current:
+            raise StaleEpoch(
+                f"epoch {epoch} is not the current epoch {current} of shard {shard}; "
+                "another leader took over"
+            )
+
+    # -- dispatch transitions -----------------------------------------------
+
+    def due_soon(
+        self,
+        *,
+        shard: int,
+        within: float,
+        limit: int,
+        after: dt.datetime | None = None,
+    ) -> list[tuple[uuid.UUID, dt.datetime]]:
+        if after is not None:
+            after = ensure_utc(after, name="after")
+        with self._lock:
+            horizon = self.now() + dt.timedelta(seconds=within)
+            rows = [
+                job
+                for job in self._jobs.values()
+                if job.shard == shard
+                and job.status == JobStatus.PENDING
+                and job.due_at <= horizon
+                and (after is None or job.due_at > after)
+            ]
+            rows.sort(key=_due_order)
+            return [(job.id, job.due_at) for job in rows[: max(limit, 0)]]
+
+    def claim_due(self, *, shard: int, epoch: int, limit: int) -> list[Job]:
+        if limit <= 0:
+            # Like the Postgres store: an empty claim touches nothing, fence included.
+            return []
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            rows = [
+                job
+                for job in self._jobs.values()
+                if job.shard == shard and job.status == JobStatus.PENDING and job.due_at <= now
+            ]
+            return self._claim(rows, epoch, now, limit)
+
+    def claim_ids(self, ids: Sequence[uuid.UUID], *, shard: int, epoch: int) -> list[Job]:
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            rows = []
+            for job_id in set(ids):
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.shard == shard
+                    and job.status == JobStatus.PENDING
+                    and job.due_at <= now
+                ):
+                    rows.append(job)
+            return self._claim(rows, epoch, now, len(rows))
+
+    def _claim(self, rows: list[Job], epoch: int, now: dt.datetime, limit: int) -> list[Job]:
+        rows.sort(key=_due_order)
+        return [
+            self._update(job, status=JobStatus.DISPATCHED, dispatched_at=now, leader_epoch=epoch)
+            for job in rows[: max(limit, 0)]
+        ]
+
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
+        with self._lock:
+            moved = 0
+            for job_id in set(ids):
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.status == JobStatus.DISPATCHED
+                    and job.leader_epoch == epoch
+                ):
+                    self._update(job, status=JobStatus.PENDING, dispatched_at=None)
+                    moved += 1
+            return moved
+
+    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+        with self._lock:
+            now = self.now()
+            moved = 0
+            for job_id in set(ids):
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.status == JobStatus.DISPATCHED
+                    and job.leader_epoch == epoch
+                ):
+                    self._update(job, status=JobStatus.EXPIRED, finished_at=now, last_error=reason)
+                    moved += 1
+            return moved
+
+    def reconcile(
+        self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
+    ) -> ReconcileResult:
+        """Stale dispatched jobs first (oldest dispatch first), then running
+        jobs past their max_runtime, ``limit`` rows in all. ``timed_out``
+        counts the latter; ``requeued`` and ``dead`` count every job moved."""
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            limit = max(limit, 0)
+            stale: list[Job] = []
+            overran: list[Job] = []
+            for job in self._jobs.values():
+                if job.shard != shard:
+                    continue
+                if job.status == JobStatus.DISPATCHED and job.dispatched_at is not None:
+                    timeout = (
+                        job.visibility_timeout
+                        if job.visibility_timeout is not None
+                        else default_visibility_timeout
+                    )
+                    if job.dispatched_at < now - dt.timedelta(seconds=timeout):
+                        stale.append(job)
+                elif (
+                    job.status == JobStatus.RUNNING
+                    and job.max_runtime is not None
+                    and job.started_at is not None
+                    and job.started_at < now - dt.timedelta(seconds=job.max_runtime)
+                ):
+                    overran.append(job)
+            stale.sort(key=lambda job: (job.dispatched_at, str(job.id)))
+            overran.sort(key=lambda job: (job.started_at, str(job.id)))
+            stale = stale[:limit]
+            overran = overran[: limit - len(stale)]
+            dead = 0
+            for job in stale:
+                timeout = (
+                    job.visibility_timeout
+                    if job.visibility_timeout is not None
+                    else default_visibility_timeout
+                )
+                dead += self._requeue(
+                    job, now, f"not started within {timeout:g}s of dispatch", started_at=None
+                )
+            for job in overran:
+                dead += self._requeue(
+                    job,
+                    now,
+                    f"ran longer than max_runtime {job.max_runtime:g}s on "
+                    f"{job.worker or 'an unknown worker'}",
+                    started_at=None,
+                )
+            moved = len(stale) + len(overran)
+            return ReconcileResult(requeued=moved - dead, dead=dead, timed_out=len(overran))
+
+    def _requeue(self, job: Job, now: dt.datetime, reason: str, **changes: Any) -> int:
+        """pending with attempt + 1, or dead once out of attempts; 1 if dead."""
+        attempt = job.attempt + 1
+        gives_up = attempt >= job.max_attempts
+        self._update(
+            job,
+            status=JobStatus.DEAD if gives_up else JobStatus.PENDING,
+            attempt=attempt,
+            dispatched_at=None,
+            finished_at=now if gives_up else None,
+            last_error=(
+                f"{reason} (attempt {attempt} of {job.max_attempts})"
+                + ("; giving up" if gives_up else "")
+            ),
+            **changes,
+        )
+        return 1 if gives_up else 0
+
+    # -- worker transitions -------------------------------------------------
+
+    def mark_running(self, job_id: uuid.UUID, *, worker: str) -> bool:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.status not in _CLAIMABLE_BY_WORKER:
+                return False
+            self._update(job, status=JobStatus.RUNNING, started_at=self.now(), worker=worker)
+            return True
+
+    def mark_finished(
+        self, job_id: uuid.UUID, status: JobStatus, *, error: str | None = None
+    ) -> bool:
+        status = JobStatus(status)
+        if not status.finished:
+            raise ValueError(f"mark_finished needs a finished status, got {status.value!r}")
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.status in FINISHED_STATUSES:
+                return False
+            self._update(job, status=status, finished_at=self.now(), last_error=error)
+            return True
+
+    def mark_retrying(self, job_id: uuid.UUID, *, error: str | None = None) -> bool:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.status != JobStatus.RUNNING:
+                return False
+            self._update(job, status=JobStatus.RETRYING, last_error=error)
+            return True
+
+    # -- housekeeping -------------------------------------------------------
+
+    def prune(self, *, older_than: float, batch: int) -> int:
+        if batch < 1:
+            raise ValueError("prune batch must be at least 1")
+        total = 0
+        while True:
+            # One "transaction" per batch, as the real store deletes in batches.
+            with self._lock:
+                cutoff = self.now() - dt.timedelta(seconds=older_than)
+                victims = [
+                    job
+                    for job in self._jobs.values()
+                    if job.status in FINISHED_STATUSES
+                    and job.finished_at is not None
+                    and job.finished_at < cutoff
+                ][:batch]
+                for job in victims:
+                    del self._jobs[job.id]
+                    del self._by_key[job.key]
+            total += len(victims)
+            if len(victims) < batch:
+                return total
+
+    # -- internals ----------------------------------------------------------
+
+    @staticmethod
+    def _new_row(job: NewJob, now: dt.datetime) -> Job:
+        return Job(
+            id=job.id,
+            key=job.key,
+            task=job.task,
+            body=job.body,
+            content_type=job.content_type,
+            content_encoding=job.content_encoding,
+            argsrepr=job.argsrepr,
+            kwargsrepr=job.kwargsrepr,
+            due_at=job.due_at,
+            due_bucket=to_bucket(job.due_at),
+            status=JobStatus.PENDING,
+            options=dict(job.options),
+            expires_at=job.expires_at,
+            max_attempts=job.max_attempts,
+            shard=job.shard,
+            schedule_id=job.schedule_id,
+            visibility_timeout=job.visibility_timeout,
+            max_runtime=job.max_runtime,
+            created_at=now,
+        )
+
+    def _put(self, job: Job) -> None:
+        self._jobs[job.id] = job
+        self._by_key[job.key] = job.id
+
+    def _update(self, job: Job, **changes: Any) -> Job:
+        updated = dataclasses.replace(job, **changes)
+        self._jobs[job.id] = updated
+        return updated
+
+
+def _due_order(job: Job) -> tuple[dt.datetime, str]:
+    return (job.due_at, str(job.id))

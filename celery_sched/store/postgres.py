@@ -1,0 +1,945 @@
+"""The PostgreSQL job store: every SQL statement of celery_sched's job path.
+
+Statements are SQLAlchemy Core expressions built once per store in
+:class:`_Queries`; bulk loads use psycopg 3's COPY directly. The engine is
+created lazily, so constructing a store connects to nothing.
+
+Driver exceptions stop here: connection losses and serialization failures are
+retried (:func:`celery_sched.retry.call_with_retry`) and finally raised as
+:class:`~celery_sched.errors.StoreUnavailable`; a missing schema becomes
+:class:`~celery_sched.errors.SchemaMissing`; everything else a
+:class:`~celery_sched.errors.StoreError`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import psycopg
+import psycopg.errors
+from sqlalchemy import (
+    Integer,
+    Interval,
+    Row,
+    Select,
+    Update,
+    any_,
+    bindparam,
+    case,
+    cast,
+    create_engine,
+    delete,
+    extract,
+    func,
+    literal_column,
+    select,
+    update,
+)
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.sql.elements import ColumnElement
+
+from celery_sched.errors import (
+    CelerySchedError,
+    DuplicateJob,
+    SchemaMissing,
+    StaleEpoch,
+    StoreError,
+    StoreUnavailable,
+)
+from celery_sched.interfaces import JobStore
+from celery_sched.models import FINISHED_STATUSES, Job, JobStatus, NewJob, ReconcileResult
+from celery_sched.retry import call_with_retry
+from celery_sched.settings import Settings
+from celery_sched.store.schema import build_metadata
+from celery_sched.timeutil import ensure_utc, to_bucket
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+#: First key of the advisory lock serializing migrations (the second key is a
+#: hash of the schema name, so different schemas migrate independently).
+MIGRATE_LOCK_CLASS = 0x5C4ED
+
+#: libpq connect timeout in seconds; a host that drops packets must not stall
+#: a retry loop for minutes.
+CONNECT_TIMEOUT = 10
+
+#: Rows per multi-row INSERT in insert_occurrences (keeps the statement under
+#: Postgres's 65535 bind parameter limit).
+OCCURRENCE_CHUNK = 1000
+
+_UNIQUE_DETAIL = re.compile(r"Key \((?P<column>\w+)\)=\((?P<value>.*)\) already exists", re.S)
+
+# The columns COPY writes, in order, with their binary COPY types. The rest
+# (status, attempt, created_at, ...) take their server defaults.
+_COPY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "uuid"),
+    ("key", "text"),
+    ("task", "text"),
+    ("body", "bytea"),
+    ("content_type", "text"),
+    ("content_encoding", "text"),
+    ("argsrepr", "text"),
+    ("kwargsrepr", "text"),
+    ("options", "jsonb"),
+    ("due_at", "timestamptz"),
+    ("due_bucket", "int4"),
+    ("expires_at", "timestamptz"),
+    ("max_attempts", "int4"),
+    ("shard", "int2"),
+    ("schedule_id", "int8"),
+    ("visibility_timeout", "float8"),
+    ("max_runtime", "float8"),
+)
+
+# Status literals are rendered into the SQL, not bound: a partial index
+# (WHERE status = 'pending') is only usable when the planner can prove the
+# predicate, which it cannot for a parameter in a generic prepared plan.
+_PENDING: ColumnElement[str] = literal_column("'pending'")
+_DISPATCHED: ColumnElement[str] = literal_column("'dispatched'")
+_RUNNING: ColumnElement[str] = literal_column("'running'")
+_ONE_SECOND = literal_column("interval '1 second'", type_=Interval)
+
+
+_DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
+
+
+class TransientDatabaseError(Exception):
+    """Retry marker wrapping a transient driver error; never escapes this module."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"{type(original).__name__}: {_first_line(original)}")
+        self.original = original
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None else exc
+    text = str(orig).strip()
+    return text.splitlines()[0] if text else type(orig).__name__
+
+
+def _driver_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
+        return exc.orig
+    return exc
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, sa_exc.TimeoutError):  # pool exhausted for pool_timeout
+        return True
+    orig = _driver_error(exc)
+    if isinstance(orig, psycopg.errors.QueryCanceled):
+        # A statement timeout: retrying the same slow statement does not help.
+        return False
+    # OperationalError covers lost connections, admin shutdown, serialization
+    # failures and deadlocks; InterfaceError a connection that is already closed.
+    return isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+def _seconds(value: ColumnElement[Any]) -> ColumnElement[Any]:
+    return value * _ONE_SECOND
+
+
+def _minute_of(instant: ColumnElement[Any]) -> ColumnElement[int]:
+    """The due bucket (whole minutes since the epoch) of a timestamptz expression."""
+    return cast(func.floor(extract("epoch", instant) / 60), Integer)
+
+
+class _Queries:
+    """Every SQL statement of the store, built once from the metadata."""
+
+    def __init__(self, schema: str) -> None:
+        metadata = build_metadata(schema)
+        jobs = metadata.tables[f"{schema}.jobs"]
+        leaders = metadata.tables[f"{schema}.leaders"]
+        self.jobs = jobs
+        self.leaders = leaders
+        c = jobs.c
+        now = func.now()
+        ids = bindparam("ids", type_=postgresql.ARRAY(c.id.type))
+        finished = [status.value for status in FINISHED_STATUSES]
+
+        self.now: Select[Any] = select(now)
+
+        # -- leadership --
+        self.epoch_for_share = (
+            select(leaders.c.epoch)
+            .where(leaders.c.shard == bindparam("p_shard"))
+            .with_for_update(read=True)
+        )
+        self.current_epoch = select(leaders.c.epoch).where(leaders.c.shard == bindparam("p_shard"))
+        upsert = pg_insert(leaders).values(
+            shard=bindparam("p_shard"), epoch=1, holder=bindparam("p_holder"), acquired_at=now
+        )
+        self.acquire_epoch = upsert.on_conflict_do_update(
+            index_elements=[leaders.c.shard],
+            set_={
+                "epoch": leaders.c.epoch + 1,
+                "holder": upsert.excluded.holder,
+                "acquired_at": now,
+            },
+        ).returning(leaders.c.epoch)
+
+        # -- reading --
+        self.get_by_key = select(jobs).where(c.key == bindparam("p_key"))
+        self.get_by_id = select(jobs).where(c.id == bindparam("p_id"))
+        self.counts_by_status = select(c.status, func.count()).group_by(c.status)
+        hour = func.date_trunc("hour", c.due_at, "UTC")
+        self.counts_by_hour = select(hour, func.count()).group_by(hour)
+        self.counts_by_hour_for_status = (
+            select(hour, func.count()).where(c.status == bindparam("p_status")).group_by(hour)
+        )
+
+        # -- writing --
+        self.insert = pg_insert(jobs).returning(*c)
+        self.insert_or_nothing = (
+            pg_insert(jobs).on_conflict_do_nothing(index_elements=[c.key]).returning(*c)
+        )
+        columns = ", ".join(f'"{name}"' for name, _ in _COPY_COLUMNS)
+        self.copy_sql = f'COPY "{schema}".jobs ({columns}) FROM STDIN (FORMAT BINARY)'
+        self.copy_types = [kind for _, kind in _COPY_COLUMNS]
+
+        # -- claims (the hot path) --
+        # The scan walks the partial pending index of one shard in due order
+        # and stops at the current minute, so future rows are never read.
+        due_ids = (
+            select(c.id)
+            .where(
+                c.status == _PENDING,
+                c.shard == bindparam("p_shard"),
+                c.due_bucket <= _minute_of(now),
+                c.due_at <= now,
+            )
+            .order_by(c.due_bucket, c.due_at)
+            .limit(bindparam("p_limit"))
+            .with_for_update(skip_locked=True)
+            .subquery("due")
+        )
+        self.claim_due = self._claim(due_ids)
+        self.claim_due_raw = _RawStatement(self.claim_due)
+        given_ids = (
+            select(c.id)
+            .where(
+                c.id == any_(ids),
+                c.status == _PENDING,
+                c.shard == bindparam("p_shard"),
+                c.due_at <= now,
+            )
+            .with_for_update(skip_locked=True)
+            .subquery("given")
+        )
+        self.claim_ids = self._claim(given_ids)
+        self.claim_ids_raw = _RawStatement(self.claim_ids)
+        horizon = now + _seconds(bindparam("within", type_=postgresql.DOUBLE_PRECISION))
+        soon = (
+            c.status == _PENDING,
+            c.shard == bindparam("p_shard"),
+            c.due_bucket <= _minute_of(horizon),
+            c.due_at <= horizon,
+        )
+        self.due_soon = (
+            select(c.id, c.due_at)
+            .where(*soon)
+            .order_by(c.due_bucket, c.due_at)
+            .limit(bindparam("p_limit"))
+        )
+        # Incremental staging: the lower bucket bound lets the index scan
+        # start at ``after`` instead of at the oldest pending row.
+        after = bindparam("after", type_=c.due_at.type)
+        self.due_soon_after = (
+            select(c.id, c.due_at)
+            .where(*soon, c.due_bucket >= bindparam("after_bucket"), c.due_at > after)
+            .order_by(c.due_bucket, c.due_at)
+            .limit(bindparam("p_limit"))
+        )
+
+        # -- fenced dispatch transitions --
+        fenced = (
+            c.id == any_(ids),
+            c.status == _DISPATCHED,
+            c.leader_epoch == bindparam("p_epoch"),
+        )
+        self.release = update(jobs).where(*fenced).values(status="pending", dispatched_at=None)
+        self.mark_expired = (
+            update(jobs)
+            .where(*fenced)
+            .values(status="expired", finished_at=now, last_error=bindparam("reason"))
+        )
+
+        # -- reconciler --
+        gives_up = c.attempt + 1 >= c.max_attempts
+        timeout = func.coalesce(
+            c.visibility_timeout, bindparam("default_timeout", type_=postgresql.DOUBLE_PRECISION)
+        )
+        stale_dispatched = (
+            select(c.id)
+            .where(
+                c.status == _DISPATCHED,
+                c.shard == bindparam("p_shard"),
+                c.dispatched_at < now - _seconds(timeout),
+            )
+            .order_by(c.dispatched_at)
+            .limit(bindparam("p_limit"))
+            .with_for_update(skip_locked=True)
+            .subquery("stale")
+        )
+        self.requeue_dispatched = (
+            update(jobs)
+            .where(c.id == stale_dispatched.c.id)
+            .values(
+                status=case((gives_up, "dead"), else_="pending"),
+                attempt=c.attempt + 1,
+                dispatched_at=None,
+                finished_at=case((gives_up, now), else_=None),
+                last_error=func.format(
+                    "not started within %ss of dispatch (attempt %s of %s)%s",
+                    timeout,
+                    c.attempt + 1,
+                    c.max_attempts,
+                    case((gives_up, "; giving up"), else_=""),
+                ),
+            )
+            .returning(c.status)
+        )
+        overrunning = (
+            select(c.id)
+            .where(
+                c.status == _RUNNING,
+                c.shard == bindparam("p_shard"),
+                c.max_runtime.is_not(None),
+                c.started_at < now - _seconds(c.max_runtime),
+            )
+            .order_by(c.started_at)
+            .limit(bindparam("p_limit"))
+            .with_for_update(skip_locked=True)
+            .subquery("overrunning")
+        )
+        self.requeue_running = (
+            update(jobs)
+            .where(c.id == overrunning.c.id)
+            .values(
+                status=case((gives_up, "dead"), else_="pending"),
+                attempt=c.attempt + 1,
+                dispatched_at=None,
+                started_at=None,
+                finished_at=case((gives_up, now), else_=None),
+                last_error=func.format(
+                    "ran longer than max_runtime %ss on %s (attempt %s of %s)%s",
+                    c.max_runtime,
+                    func.coalesce(c.worker, "an unknown worker"),
+                    c.attempt + 1,
+                    c.max_attempts,
+                    case((gives_up, "; giving up"), else_=""),
+                ),
+            )
+            .returning(c.status)
+        )
+
+        # -- worker and user transitions --
+        by_id = c.id == bindparam("p_id")
+        self.mark_running = (
+            update(jobs)
+            .where(by_id, c.status.in_(["dispatched", "retrying", "pending"]))
+            .values(status="running", started_at=now, worker=bindparam("p_worker"))
+        )
+        self.mark_finished = (
+            update(jobs)
+            .where(by_id, c.status.not_in(finished))
+            .values(
+                status=bindparam("p_status"),
+                finished_at=now,
+                last_error=bindparam("error", type_=c.last_error.type),
+            )
+        )
+        self.mark_retrying = (
+            update(jobs)
+            .where(by_id, c.status == "running")
+            .values(
+                status="retrying",
+                last_error=bindparam("error", type_=c.last_error.type),
+            )
+        )
+        self.cancel = (
+            update(jobs)
+            .where(c.key == bindparam("p_key"), c.status == _PENDING)
+            .values(status="cancelled", finished_at=now)
+        )
+
+        # -- housekeeping --
+        prunable = (
+            select(c.id)
+            .where(
+                c.finished_at
+                < now - _seconds(bindparam("older_than", type_=postgresql.DOUBLE_PRECISION))
+            )
+            .limit(bindparam("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        self.prune = delete(jobs).where(c.id.in_(prunable.scalar_subquery()))
+
+    def _claim(self, chosen: Any) -> Update:
+        c = self.jobs.c
+        return (
+            update(self.jobs)
+            .where(c.id == chosen.c.id)
+            .values(
+                status="dispatched", dispatched_at=func.now(), leader_epoch=bindparam("p_epoch")
+            )
+            .returning(*c)
+        )
+
+
+def _job(row: Row[Any]) -> Job:
+    return Job(**row._mapping)
+
+
+class _RawStatement:
+    """A Core statement precompiled for psycopg, run on the raw cursor.
+
+    The claim path returns thousands of rows per second; psycopg's C row
+    loading straight into :class:`Job` costs a fraction of SQLAlchemy's
+    per-row result processing.
+    """
+
+    def __init__(self, stmt: Any) -> None:
+        compiled = stmt.compile(dialect=_DIALECT)
+        self.sql: str = str(compiled)
+        self.defaults: dict[str, Any] = dict(compiled.params)
+
+    def jobs(self, conn: Connection, params: dict[str, Any]) -> list[Job]:
+        raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+        try:
+            with raw.cursor() as cur:
+                cur.execute(self.sql, {**self.defaults, **params})
+                names = [column.name for column in cur.description or ()]
+                return [Job(**dict(zip(names, row, strict=True))) for row in cur.fetchall()]
+        except psycopg.Error:
+            if raw.closed or raw.broken:
+                # SQLAlchemy did not see this failure; make sure the dead
+                # connection is not returned to the pool.
+                conn.invalidate()
+            raise
+
+
+def _sort_due(jobs: list[Job]) -> list[Job]:
+    # RETURNING gives no order guarantee; callers publish oldest first.
+    jobs.sort(key=lambda job: (job.due_at, str(job.id)))
+    return jobs
+
+
+class PostgresJobStore(JobStore):
+    """:class:`~celery_sched.interfaces.JobStore` on PostgreSQL (psycopg 3)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._schema = settings.db_schema
+        self._q = _Queries(settings.db_schema)
+        self._engine: Engine | None = None
+        self._engine_lock = threading.Lock()
+
+    # -- plumbing -----------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine, created on first use."""
+        if self._engine is None:
+            with self._engine_lock:
+                if self._engine is None:
+                    self._engine = self._create_engine()
+        return self._engine
+
+    def _create_engine(self) -> Engine:
+        s = self._settings
+        options = f"-c statement_timeout={round(s.statement_timeout * 1000)} -c TimeZone=UTC"
+        # SQLAlchemy opens connections on demand and keeps up to pool_size of
+        # them, so pool_max_size bounds the pool and nothing is opened early.
+        return create_engine(
+            s.sqlalchemy_url(),
+            pool_size=max(s.pool_max_size, s.pool_min_size),
+            max_overflow=0,
+            pool_timeout=max(s.statement_timeout, 1.0),
+            # Pooled connections killed while idle (failover, pg_terminate_backend)
+            # are detected at checkout instead of failing the next statement.
+            pool_pre_ping=True,
+            connect_args={
+                "connect_timeout": CONNECT_TIMEOUT,
+                "application_name": f"celery_sched[{self._schema}]"[:63],
+                "options": options,
+            },
+        )
+
+    def _unavailable(self, exc: BaseException) -> CelerySchedError:
+        original = exc.original if isinstance(exc, TransientDatabaseError) else exc
+        return StoreUnavailable(
+            f"PostgreSQL at {self._settings.safe_database_url} is unavailable: "
+            f"{type(_driver_error(original)).__name__}: {_first_line(original)}"
+        )
+
+    def _translate(self, exc: BaseException, what: str) -> CelerySchedError:
+        """Map a non-transient driver error to a celery_sched error."""
+        orig = _driver_error(exc)
+        if isinstance(orig, psycopg.errors.UniqueViolation):
+            detail = orig.diag.message_detail or ""
+            match = _UNIQUE_DETAIL.search(detail)
+            if match and match["column"] == "key":
+                return DuplicateJob(key=match["value"])
+            if match:
+                return DuplicateJob(f"a job with {match['column']} {match['value']} already exists")
+            return DuplicateJob(f"duplicate job: {detail or _first_line(exc)}")
+        if isinstance(orig, psycopg.errors.UndefinedTable | psycopg.errors.InvalidSchemaName):
+            return SchemaMissing(
+                f"celery_sched schema {self._schema!r} is missing or out of date in "
+                f"{self._settings.safe_database_url} ({_first_line(exc)}); "
+                "run `celery -A proj sched migrate`"
+            )
+        if isinstance(orig, psycopg.errors.QueryCanceled):
+            return StoreError(
+                f"{what} exceeded the statement timeout of {self._settings.statement_timeout}s"
+            )
+        return StoreError(f"{what} failed: {type(orig).__name__}: {_first_line(exc)}")
+
+    def _guard(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` once, turning driver errors into retry markers or our errors."""
+        try:
+            return fn()
+        except (sa_exc.SQLAlchemyError, psycopg.Error) as exc:
+            if _is_transient(exc):
+                raise TransientDatabaseError(exc) from exc
+            raise self._translate(exc, what) from exc
+
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        return call_with_retry(
+            lambda: self._guard(fn, what),
+            transient=(TransientDatabaseError,),
+            translate=self._unavailable,
+            what=what,
+            url=self._settings.safe_database_url,
+            attempts=self._settings.connect_retries,
+            backoff=self._settings.retry_backoff,
+        )
+
+    def _tx(self, what: str, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in one transaction, retried whole on transient failures."""
+
+        def attempt() -> T:
+            with self.engine.begin() as conn:
+                return fn(conn)
+
+        return self._retry(attempt, what)
+
+    def _fence(self, conn: Connection, shard: int, epoch: int) -> None:
+        # FOR SHARE on the shard's leaders row: acquire_epoch's UPDATE of that
+        # row must wait until this claim commits, and a claim that starts after
+        # the bump reads the new epoch and is refused. So once acquire_epoch
+        # returns, no transaction of an older epoch can still be moving rows.
+        current = conn.execute(self._q.epoch_for_share, {"p_shard": shard}).scalar_one_or_none()
+        # No leaders row means no leader was ever elected: nobody may claim.
+        if current is None or current != epoch:
+            raise StaleEpoch(
+                f"epoch {epoch} is stale for shard {shard}: the current epoch is {current or 0}"
+            )
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def migrate(self) -> None:
+        from alembic import command
+        from alembic.config import Config
+
+        def run() -> None:
+            with self.engine.connect() as conn, conn.begin():
+                # Transaction-scoped advisory lock: a second migrator waits here,
+                # then finds the committed version table and has nothing to do.
+                conn.execute(
+                    select(
+                        func.pg_advisory_xact_lock(MIGRATE_LOCK_CLASS, func.hashtext(self._schema))
+                    )
+                )
+                config = Config()
+                config.set_main_option("script_location", str(MIGRATIONS_DIR))
+                config.attributes["connection"] = conn
+                config.attributes["schema"] = self._schema
+                command.upgrade(config, "head")
+
+        self._retry(run, "migrate")
+        logger.info("celery_sched schema %r is up to date", self._schema)
+
+    def close(self) -> None:
+        with self._engine_lock:
+            if self._engine is not None:
+                self._engine.dispose()
+                self._engine = None
+
+    def now(self) -> dt.datetime:
+        value = self._tx("now", lambda conn: conn.execute(self._q.now).scalar_one())
+        return ensure_utc(value)
+
+    # -- writing jobs -------------------------------------------------------
+
+    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+        values = _row_values(job)
+        attempts = 0
+
+        def write(conn: Connection) -> Job:
+            if if_exists == "return":
+                # A racing delete of the existing row could leave nothing to
+                # return; try the insert again in that case.
+                for _ in range(3):
+                    row = conn.execute(self._q.insert_or_nothing, values).first()
+                    if row is None:
+                        row = conn.execute(self._q.get_by_key, {"p_key": job.key}).first()
+                    if row is not None:
+                        return _job(row)
+                raise StoreError(f"could not insert or read job {job.key!r}")
+            return _job(conn.execute(self._q.insert, values).one())
+
+        def attempt() -> Job:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return self._guard(lambda: self._in_tx(write), "insert")
+            except DuplicateJob:
+                # A retry after a lost commit acknowledgement finds our own
+                # row (same id): that is success, not a duplicate.
+                if attempts > 1:
+                    existing = self.get(job.key)
+                    if existing is not None and existing.id == job.id:
+                        return existing
+                raise
+
+        return call_with_retry(
+            attempt,
+            transient=(TransientDatabaseError,),
+            translate=self._unavailable,
+            what="insert",
+            url=self._settings.safe_database_url,
+            attempts=self._settings.connect_retries,
+            backoff=self._settings.retry_backoff,
+        )
+
+    def _in_tx(self, fn: Callable[[Connection], T]) -> T:
+        with self.engine.begin() as conn:
+            return fn(conn)
+
+    def insert_many(self, jobs: Iterable[NewJob]) -> int:
+        # Only checking out a connection is retried: once COPY has consumed
+        # part of a (possibly one-shot) iterator, it cannot be replayed.
+        conn = self._retry(self._checkout, "insert_many")
+        try:
+            with conn.begin():
+                raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+                with raw.cursor() as cur:
+                    # A bulk load lasts as long as the caller's input takes to
+                    # produce, so the per-statement timeout does not fit it; a
+                    # lock wait (a concurrent insert of the same key) still
+                    # must not hang forever.
+                    lock_ms = str(round(self._settings.statement_timeout * 1000))
+                    cur.execute(
+                        "SELECT set_config('statement_timeout', '0', true), "
+                        "set_config('lock_timeout', %s, true)",
+                        (lock_ms,),
+                    )
+                    count = 0
+                    with cur.copy(self._q.copy_sql) as copy:
+                        copy.set_types(self._q.copy_types)
+                        write_row = copy.write_row
+                        for job in jobs:
+                            write_row(_copy_row(job))
+                            count += 1
+        except (sa_exc.SQLAlchemyError, psycopg.Error) as exc:
+            raw_conn = conn.connection.driver_connection if not conn.closed else None
+            if isinstance(raw_conn, psycopg.Connection) and raw_conn.closed:
+                conn.invalidate()
+            if _is_transient(exc):
+                raise self._unavailable(exc) from exc
+            raise self._translate(exc, "insert_many") from exc
+        finally:
+            conn.close()
+        logger.debug("inserted %d jobs with COPY", count)
+        return count
+
+    def _checkout(self) -> Connection:
+        return self.engine.connect()
+
+    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+        if not jobs:
+            return []
+        rows = [_row_values(job) for job in jobs]
+        table = self._q.jobs
+
+        def write(conn: Connection) -> list[uuid.UUID]:
+            written: list[uuid.UUID] = []
+            for start in range(0, len(rows), OCCURRENCE_CHUNK):
+                stmt = (
+                    pg_insert(table)
+                    .values(rows[start : start + OCCURRENCE_CHUNK])
+                    .on_conflict_do_nothing(index_elements=[table.c.key])
+                    .returning(table.c.id)
+                )
+                written.extend(conn.execute(stmt).scalars())
+            return written
+
+        return self._tx("insert_occurrences", write)
+
+    # -- reading ------------------------------------------------------------
+
+    def get(self, key: str) -> Job | None:
+        row = self._tx("get", lambda conn: conn.execute(self._q.get_by_key, {"p_key": key}).first())
+        return None if row is None else _job(row)
+
+    def get_by_id(self, job_id: uuid.UUID) -> Job | None:
+        row = self._tx(
+            "get_by_id", lambda conn: conn.execute(self._q.get_by_id, {"p_id": job_id}).first()
+        )
+        return None if row is None else _job(row)
+
+    def counts_by_status(self) -> dict[JobStatus, int]:
+        rows = self._tx(
+            "counts_by_status", lambda conn: conn.execute(self._q.counts_by_status).all()
+        )
+        return {JobStatus(status): count for status, count in rows}
+
+    def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
+        def read(conn: Connection) -> list[tuple[dt.datetime, int]]:
+            if status is None:
+                result = conn.execute(self._q.counts_by_hour)
+            else:
+                result = conn.execute(self._q.counts_by_hour_for_status, {"p_status": status.value})
+            return [(row[0], row[1]) for row in result]
+
+        return {ensure_utc(hour): count for hour, count in self._tx("counts_by_hour", read)}
+
+    # -- user transitions ---------------------------------------------------
+
+    def cancel(self, key: str) -> bool:
+        return self._rowcount("cancel", self._q.cancel, {"p_key": key}) > 0
+
+    # -- leadership fencing -------------------------------------------------
+
+    def acquire_epoch(self, shard: int, holder: str) -> int:
+        epoch: int = self._tx(
+            "acquire_epoch",
+            lambda conn: conn.execute(
+                self._q.acquire_epoch, {"p_shard": shard, "p_holder": holder}
+            ).scalar_one(),
+        )
+        logger.info("shard %d: epoch %d acquired by %s", shard, epoch, holder)
+        return epoch
+
+    def current_epoch(self, shard: int) -> int:
+        value = self._tx(
+            "current_epoch",
+            lambda conn: conn.execute(
+                self._q.current_epoch, {"p_shard": shard}
+            ).scalar_one_or_none(),
+        )
+        return int(value or 0)
+
+    # -- dispatch transitions -----------------------------------------------
+
+    def due_soon(
+        self,
+        *,
+        shard: int,
+        within: float,
+        limit: int,
+        after: dt.datetime | None = None,
+    ) -> list[tuple[uuid.UUID, dt.datetime]]:
+        params: dict[str, Any] = {"p_shard": shard, "within": within, "p_limit": limit}
+        stmt = self._q.due_soon
+        if after is not None:
+            after = ensure_utc(after, name="after")
+            stmt = self._q.due_soon_after
+            params.update(after=after, after_bucket=to_bucket(after))
+        rows = self._tx("due_soon", lambda conn: conn.execute(stmt, params).all())
+        return [(job_id, ensure_utc(due_at)) for job_id, due_at in rows]
+
+    def claim_due(self, *, shard: int, epoch: int, limit: int) -> list[Job]:
+        if limit <= 0:
+            return []
+
+        def claim(conn: Connection) -> list[Job]:
+            self._fence(conn, shard, epoch)
+            params = {"p_shard": shard, "p_epoch": epoch, "p_limit": limit}
+            return self._q.claim_due_raw.jobs(conn, params)
+
+        return _sort_due(self._tx("claim_due", claim))
+
+    def claim_ids(self, ids: Sequence[uuid.UUID], *, shard: int, epoch: int) -> list[Job]:
+        id_list = list(ids)
+
+        def claim(conn: Connection) -> list[Job]:
+            self._fence(conn, shard, epoch)
+            if not id_list:
+                return []
+            params = {"ids": id_list, "p_shard": shard, "p_epoch": epoch}
+            return self._q.claim_ids_raw.jobs(conn, params)
+
+        return _sort_due(self._tx("claim_ids", claim))
+
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
+        if not ids:
+            return 0
+        return self._rowcount("release", self._q.release, {"ids": list(ids), "p_epoch": epoch})
+
+    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+        if not ids:
+            return 0
+        return self._rowcount(
+            "mark_expired",
+            self._q.mark_expired,
+            {"ids": list(ids), "p_epoch": epoch, "reason": reason},
+        )
+
+    def reconcile(
+        self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
+    ) -> ReconcileResult:
+        """Requeue stale dispatched jobs and running jobs past their max_runtime.
+
+        ``requeued`` and ``dead`` count every job moved; ``timed_out`` counts
+        those of them that were running past their ``max_runtime`` (the rest
+        were dispatched and never started). At most ``limit`` rows in all,
+        stale dispatched jobs first.
+        """
+        timeout = default_visibility_timeout
+
+        def run(conn: Connection) -> ReconcileResult:
+            self._fence(conn, shard, epoch)
+            params = {"p_shard": shard, "p_limit": limit, "default_timeout": timeout}
+            moved = list(conn.execute(self._q.requeue_dispatched, params).scalars())
+            overran: list[str] = []
+            if len(moved) < limit:
+                params["p_limit"] = limit - len(moved)
+                overran = list(conn.execute(self._q.requeue_running, params).scalars())
+            dead = sum(1 for status in (*moved, *overran) if status == JobStatus.DEAD.value)
+            return ReconcileResult(
+                requeued=len(moved) + len(overran) - dead, dead=dead, timed_out=len(overran)
+            )
+
+        if limit <= 0:
+            # Still fenced: a stale leader must learn it is stale.
+            self._tx("reconcile", lambda conn: self._fence(conn, shard, epoch))
+            return ReconcileResult()
+        result = self._tx("reconcile", run)
+        if result.requeued or result.dead or result.timed_out:
+            logger.info(
+                "shard %d: reconciler requeued %d, marked %d dead, timed out %d",
+                shard,
+                result.requeued,
+                result.dead,
+                result.timed_out,
+            )
+        return result
+
+    # -- worker transitions -------------------------------------------------
+
+    def mark_running(self, job_id: uuid.UUID, *, worker: str) -> bool:
+        return (
+            self._rowcount(
+                "mark_running", self._q.mark_running, {"p_id": job_id, "p_worker": worker}
+            )
+            > 0
+        )
+
+    def mark_finished(
+        self, job_id: uuid.UUID, status: JobStatus, *, error: str | None = None
+    ) -> bool:
+        status = JobStatus(status)
+        if not status.finished:
+            raise ValueError(f"mark_finished needs a finished status, got {status.value!r}")
+        params = {"p_id": job_id, "p_status": status.value, "error": error}
+        return self._rowcount("mark_finished", self._q.mark_finished, params) > 0
+
+    def mark_retrying(self, job_id: uuid.UUID, *, error: str | None = None) -> bool:
+        params = {"p_id": job_id, "error": error}
+        return self._rowcount("mark_retrying", self._q.mark_retrying, params) > 0
+
+    # -- housekeeping -------------------------------------------------------
+
+    def prune(self, *, older_than: float, batch: int) -> int:
+        if batch < 1:
+            raise ValueError("prune batch must be at least 1")
+        total = 0
+        while True:
+            # One transaction per batch keeps locks and WAL bursts small.
+            deleted = self._rowcount(
+                "prune", self._q.prune, {"older_than": older_than, "batch": batch}
+            )
+            total += deleted
+            if deleted < batch:
+                break
+        if total:
+            logger.info("pruned %d finished jobs", total)
+        return total
+
+    # -- diagnostics --------------------------------------------------------
+
+    def explain_claim(self, *, shard: int = 0, limit: int = 1000) -> str:
+        """The query plan of :meth:`claim_due` (EXPLAIN, nothing is claimed)."""
+        compiled = self._q.claim_due.compile(dialect=self.engine.dialect)
+        sql = "EXPLAIN " + str(compiled)
+        params = compiled.construct_params({"p_shard": shard, "p_epoch": 0, "p_limit": limit})
+        rows = self._tx("explain_claim", lambda conn: conn.exec_driver_sql(sql, params).all())
+        return "\n".join(row[0] for row in rows)
+
+    def _rowcount(self, what: str, stmt: Any, params: dict[str, Any]) -> int:
+        return self._tx(what, lambda conn: conn.execute(stmt, params).rowcount)
+
+
+def _row_values(job: NewJob) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "key": job.key,
+        "task": job.task,
+        "body": job.body,
+        "content_type": job.content_type,
+        "content_encoding": job.content_encoding,
+        "argsrepr": job.argsrepr,
+        "kwargsrepr": job.kwargsrepr,
+        "options": dict(job.options),
+        "due_at": job.due_at,
+        "due_bucket": job.due_bucket,
+        "expires_at": job.expires_at,
+        "max_attempts": job.max_attempts,
+        "shard": job.shard,
+        "schedule_id": job.schedule_id,
+        "visibility_timeout": job.visibility_timeout,
+        "max_runtime": job.max_runtime,
+    }
+
+
+def _copy_row(job: NewJob) -> tuple[Any, ...]:
+    return (
+        job.id,
+        job.key,
+        job.task,
+        job.body,
+        job.content_type,
+        job.content_encoding,
+        job.argsrepr,
+        job.kwargsrepr,
+        dict(job.options),
+        job.due_at,
+        job.due_bucket,
+        job.expires_at,
+        job.max_attempts,
+        job.shard,
+        job.schedule_id,
+        job.visibility_timeout,
+        job.max_runtime,
+    )

@@ -1,0 +1,194 @@
+"""The PostgreSQL schema of celery_sched, as SQLAlchemy Core tables.
+
+Every table lives in one configurable Postgres schema (``settings.db_schema``),
+so :func:`build_metadata` takes the schema name. The Alembic migrations under
+``celery_sched/store/migrations`` create exactly these tables; a test compares
+the migrated database with this metadata.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Double,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    UniqueConstraint,
+    Uuid,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from celery_sched.models import JobStatus
+
+#: Status values allowed by the ``jobs.status`` CHECK constraint.
+STATUS_VALUES = tuple(status.value for status in JobStatus)
+
+#: Storage parameters of the ``jobs`` table. Every job row is updated several
+#: times (pending -> dispatched -> running -> finished) and then deleted, so
+#: the table churns constantly: a fillfactor below 100 leaves room on each page
+#: for the new row versions, and autovacuum must run after a small fraction
+#: of the table changed (the default 20% of a 10M-row table is far too late:
+#: dead index entries in the partial pending index slow every claim) and be
+#: allowed to do more work per round than the conservative default.
+JOBS_STORAGE = {
+    "fillfactor": "80",
+    "autovacuum_vacuum_scale_factor": "0.01",
+    "autovacuum_vacuum_threshold": "1000",
+    "autovacuum_analyze_scale_factor": "0.02",
+    "autovacuum_vacuum_cost_limit": "2000",
+    "autovacuum_vacuum_insert_scale_factor": "0.05",
+}
+
+SCHEDULE_KINDS = ("crontab", "interval", "solar", "clocked")
+
+
+def _ts(name: str, *, nullable: bool = True, now_default: bool = False) -> Column[object]:
+    return Column(
+        name,
+        DateTime(timezone=True),
+        nullable=nullable,
+        server_default=text("now()") if now_default else None,
+    )
+
+
+def build_metadata(schema: str) -> MetaData:
+    """Return the tables of celery_sched, all placed in Postgres schema ``schema``."""
+    metadata = MetaData(schema=schema)
+
+    status_list = ", ".join(f"'{value}'" for value in STATUS_VALUES)
+    jobs = Table(
+        "jobs",
+        metadata,
+        # The id is also the Celery task id, so the caller chooses it.
+        Column("id", Uuid(as_uuid=True), primary_key=True),
+        Column("key", Text, nullable=False),
+        Column("task", Text, nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        Column("content_type", Text, nullable=False),
+        Column("content_encoding", Text, nullable=False),
+        Column("argsrepr", Text, nullable=False, server_default=text("''")),
+        Column("kwargsrepr", Text, nullable=False, server_default=text("''")),
+        Column("options", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        _ts("due_at", nullable=False),
+        Column("due_bucket", Integer, nullable=False),
+        _ts("expires_at"),
+        Column("status", Text, nullable=False, server_default=text("'pending'")),
+        Column("attempt", Integer, nullable=False, server_default=text("0")),
+        Column("max_attempts", Integer, nullable=False, server_default=text("5")),
+        Column("shard", SmallInteger, nullable=False, server_default=text("0")),
+        # No foreign key to schedules: a FK check per COPY row would slow bulk
+        # loads, and deleting a schedule must not touch its finished history.
+        Column("schedule_id", BigInteger, nullable=True),
+        Column("leader_epoch", BigInteger, nullable=True),
+        Column("visibility_timeout", Double, nullable=True),
+        Column("max_runtime", Double, nullable=True),
+        _ts("created_at", nullable=False, now_default=True),
+        _ts("dispatched_at"),
+        _ts("started_at"),
+        _ts("finished_at"),
+        Column("worker", Text, nullable=True),
+        Column("last_error", Text, nullable=True),
+        UniqueConstraint("key", name="jobs_key_key"),
+        CheckConstraint(f"status IN ({status_list})", name="jobs_status_check"),
+        postgresql_with=JOBS_STORAGE,
+    )
+    # The hot path: claims scan "pending, this shard, bucket <= now" in due
+    # order. Partial, so dispatched and finished rows drop out of it and the
+    # scan never wades through the past.
+    Index(
+        "jobs_pending_due_idx",
+        jobs.c.shard,
+        jobs.c.due_bucket,
+        jobs.c.due_at,
+        postgresql_where=text("status = 'pending'"),
+    )
+    Index(
+        "jobs_dispatched_idx",
+        jobs.c.dispatched_at,
+        postgresql_where=text("status = 'dispatched'"),
+    )
+    Index(
+        "jobs_running_idx",
+        jobs.c.started_at,
+        postgresql_where=text("status = 'running'"),
+    )
+    Index(
+        "jobs_finished_idx",
+        jobs.c.finished_at,
+        postgresql_where=text("finished_at IS NOT NULL"),
+    )
+    Index(
+        "jobs_schedule_idx",
+        jobs.c.schedule_id,
+        jobs.c.status,
+        postgresql_where=text("schedule_id IS NOT NULL"),
+    )
+
+    kind_list = ", ".join(f"'{kind}'" for kind in SCHEDULE_KINDS)
+    Table(
+        "schedules",
+        metadata,
+        Column("id", BigInteger, primary_key=True, autoincrement=True),
+        Column("name", Text, nullable=False),
+        Column("task", Text, nullable=False),
+        Column("kind", Text, nullable=False),
+        Column("spec", JSONB, nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        Column("content_type", Text, nullable=False),
+        Column("content_encoding", Text, nullable=False),
+        Column("argsrepr", Text, nullable=False, server_default=text("''")),
+        Column("kwargsrepr", Text, nullable=False, server_default=text("''")),
+        Column("options", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("timezone", Text, nullable=False, server_default=text("'UTC'")),
+        Column("enabled", Boolean, nullable=False, server_default=text("true")),
+        Column("source", Text, nullable=False, server_default=text("'dynamic'")),
+        Column("misfire", Text, nullable=True),
+        Column("overlap", Text, nullable=True),
+        Column("catchup_window", Double, nullable=True),
+        Column("max_catchup", Integer, nullable=True),
+        Column("relative", Boolean, nullable=False, server_default=text("false")),
+        _ts("last_nominal_at"),
+        _ts("next_nominal_at"),
+        _ts("created_at", nullable=False, now_default=True),
+        _ts("updated_at", nullable=False, now_default=True),
+        _ts("disabled_at"),
+        UniqueConstraint("name", name="schedules_name_key"),
+        CheckConstraint(f"kind IN ({kind_list})", name="schedules_kind_check"),
+        CheckConstraint("source IN ('static', 'dynamic')", name="schedules_source_check"),
+    )
+
+    ledger = Table(
+        "ledger",
+        metadata,
+        Column("key", Text, primary_key=True),
+        Column("job_id", Uuid(as_uuid=True), nullable=True),
+        Column("state", Text, nullable=False),
+        Column("owner", Text, nullable=True),
+        _ts("lease_expires_at"),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("result", JSONB, nullable=True),
+        _ts("created_at", nullable=False, now_default=True),
+        _ts("completed_at"),
+        CheckConstraint("state IN ('running', 'completed')", name="ledger_state_check"),
+    )
+    Index("ledger_completed_idx", ledger.c.completed_at)
+
+    Table(
+        "leaders",
+        metadata,
+        Column("shard", SmallInteger, primary_key=True, autoincrement=False),
+        Column("epoch", BigInteger, nullable=False),
+        Column("holder", Text, nullable=True),
+        _ts("acquired_at"),
+    )
+    return metadata

@@ -1,0 +1,554 @@
+"""The JobStore contract: every backend (memory, postgres) must pass all of it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from celery_sched.errors import DuplicateJob, StaleEpoch
+from celery_sched.interfaces import JobStore
+from celery_sched.models import Job, JobStatus, NewJob
+from celery_sched.timeutil import to_bucket
+from tests.contract.conftest import new_job
+
+SECOND = dt.timedelta(seconds=1)
+HOUR = dt.timedelta(hours=1)
+
+
+def past(store: JobStore, seconds: float) -> dt.datetime:
+    return store.now() - dt.timedelta(seconds=seconds)
+
+
+def future(store: JobStore, seconds: float = 3 * 86400) -> dt.datetime:
+    return store.now() + dt.timedelta(seconds=seconds)
+
+
+def status_of(store: JobStore, key: str) -> JobStatus:
+    job = store.get(key)
+    assert job is not None, key
+    return job.status
+
+
+def leader(store: JobStore, shard: int = 0) -> int:
+    return store.acquire_epoch(shard, f"test-holder-{shard}")
+
+
+def claim_one(store: JobStore, key: str, **fields: object) -> tuple[Job, int]:
+    """Insert an overdue job and claim it; return the claimed job and the epoch."""
+    store.insert(new_job(key, past(store, 5), **fields))
+    epoch = leader(store)
+    claimed = store.claim_due(shard=0, epoch=epoch, limit=10)
+    assert [job.key for job in claimed] == [key]
+    return claimed[0], epoch
+
+
+# -- lifecycle ---------------------------------------------------------------
+
+
+def test_now_is_aware_utc_and_current(store: JobStore) -> None:
+    now = store.now()
+    assert now.utcoffset() == dt.timedelta(0)
+    assert abs(now - dt.datetime.now(dt.UTC)) < dt.timedelta(seconds=30)
+
+
+def test_migrate_is_idempotent(store: JobStore) -> None:
+    store.insert(new_job("kept", future(store)))
+    store.migrate()
+    assert store.get("kept") is not None
+
+
+# -- insert --------------------------------------------------------------------
+
+
+def test_insert_stores_every_field(store: JobStore) -> None:
+    due = future(store, 3600).replace(microsecond=123456)
+    expires = due + HOUR
+    job = new_job(
+        "full",
+        due,
+        expires_at=expires,
+        max_attempts=3,
+        shard=2,
+        schedule_id=42,
+        visibility_timeout=12.5,
+        max_runtime=60.0,
+    )
+    stored = store.insert(job)
+    assert stored.id == job.id
+    assert stored.status is JobStatus.PENDING
+    assert stored.due_at == due
+    assert stored.due_bucket == to_bucket(due)
+    assert stored.expires_at == expires
+    assert stored.body == job.body
+    assert stored.args == (1, 2)
+    assert stored.kwargs == {"flag": True}
+    assert dict(stored.options) == {"queue": "celery", "priority": 3, "headers": {"h": "v"}}
+    assert (stored.max_attempts, stored.shard, stored.schedule_id) == (3, 2, 42)
+    assert (stored.visibility_timeout, stored.max_runtime) == (12.5, 60.0)
+    assert stored.attempt == 0
+    assert stored.created_at is not None
+    assert stored.dispatched_at is None and stored.finished_at is None
+    assert store.get("full") == stored
+    assert store.get_by_id(job.id) == stored
+
+
+def test_get_unknown_returns_none(store: JobStore) -> None:
+    assert store.get("nope") is None
+    assert store.get_by_id(uuid.uuid4()) is None
+
+
+def test_insert_duplicate_key_raises(store: JobStore) -> None:
+    store.insert(new_job("dup", future(store)))
+    with pytest.raises(DuplicateJob) as info:
+        store.insert(new_job("dup", future(store, 60)))
+    assert info.value.key == "dup"
+    assert store.counts_by_status() == {JobStatus.PENDING: 1}
+
+
+def test_insert_duplicate_key_can_return_existing(store: JobStore) -> None:
+    first = store.insert(new_job("same", future(store)))
+    second = store.insert(new_job("same", future(store, 60)), if_exists="return")
+    assert second == first
+    assert store.counts_by_status() == {JobStatus.PENDING: 1}
+
+
+# -- insert_many -----------------------------------------------------------------
+
+
+def test_insert_many_writes_all_from_a_generator(store: JobStore) -> None:
+    base = future(store)
+    jobs = (new_job(f"bulk-{i}", base + i * SECOND, shard=i % 2) for i in range(250))
+    assert store.insert_many(jobs) == 250
+    assert store.counts_by_status() == {JobStatus.PENDING: 250}
+    stored = store.get("bulk-7")
+    assert stored is not None
+    assert stored.due_at == base + 7 * SECOND
+    assert stored.due_bucket == to_bucket(base + 7 * SECOND)
+    assert stored.shard == 1
+    assert stored.kwargs == {"flag": True}
+
+
+def test_insert_many_empty_writes_nothing(store: JobStore) -> None:
+    assert store.insert_many([]) == 0
+    assert store.counts_by_status() == {}
+
+
+def test_insert_many_duplicate_in_batch_writes_nothing(store: JobStore) -> None:
+    due = future(store)
+    jobs = [new_job("a", due), new_job("twice", due), new_job("b", due), new_job("twice", due)]
+    with pytest.raises(DuplicateJob) as info:
+        store.insert_many(jobs)
+    assert info.value.key == "twice"
+    assert store.counts_by_status() == {}
+
+
+def test_insert_many_duplicate_of_existing_writes_nothing(store: JobStore) -> None:
+    due = future(store)
+    store.insert(new_job("old", due))
+    with pytest.raises(DuplicateJob) as info:
+        store.insert_many([new_job("new-1", due), new_job("old", due), new_job("new-2", due)])
+    assert info.value.key == "old"
+    assert store.counts_by_status() == {JobStatus.PENDING: 1}
+    assert store.get("new-1") is None
+
+
+class Invalid(ValueError):
+    pass
+
+
+def test_insert_many_iterator_error_propagates_and_writes_nothing(store: JobStore) -> None:
+    due = future(store)
+    error = Invalid("row 3 is invalid")
+    consumed: list[int] = []
+
+    def rows() -> Iterator[NewJob]:
+        for i in range(5):
+            if i == 3:
+                raise error
+            consumed.append(i)
+            yield new_job(f"r{i}", due)
+
+    with pytest.raises(Invalid) as info:
+        store.insert_many(rows())
+    assert info.value is error
+    assert consumed == [0, 1, 2]
+    assert store.counts_by_status() == {}
+    # The store is still usable afterwards.
+    assert store.insert_many([new_job("after", due)]) == 1
+
+
+# -- insert_occurrences ----------------------------------------------------------
+
+
+def test_insert_occurrences_skips_existing_keys(store: JobStore) -> None:
+    due = future(store)
+    store.insert(new_job("tick@1", due))
+    fresh = [new_job("tick@2", due), new_job("tick@3", due + SECOND)]
+    written = store.insert_occurrences([new_job("tick@1", due), *fresh, new_job("tick@2", due)])
+    assert sorted(written) == sorted(job.id for job in fresh)
+    assert store.counts_by_status() == {JobStatus.PENDING: 3}
+    assert store.insert_occurrences([]) == []
+    assert store.insert_occurrences(fresh) == []
+
+
+# -- cancel --------------------------------------------------------------------------
+
+
+def test_cancel_only_while_pending(store: JobStore) -> None:
+    store.insert(new_job("c1", future(store)))
+    assert store.cancel("c1") is True
+    cancelled = store.get("c1")
+    assert cancelled is not None
+    assert cancelled.status is JobStatus.CANCELLED
+    assert cancelled.finished_at is not None
+    assert store.cancel("c1") is False
+    assert store.cancel("missing") is False
+
+    claim_one(store, "c2")
+    assert store.cancel("c2") is False
+    assert status_of(store, "c2") is JobStatus.DISPATCHED
+
+
+def test_cancelled_job_is_never_claimed(store: JobStore) -> None:
+    store.insert(new_job("gone", past(store, 10)))
+    store.cancel("gone")
+    assert store.claim_due(shard=0, epoch=leader(store), limit=10) == []
+
+
+# -- epochs ---------------------------------------------------------------------------
+
+
+def test_acquire_epoch_increments_per_shard(store: JobStore) -> None:
+    assert store.current_epoch(0) == 0
+    assert store.acquire_epoch(0, "a") == 1
+    assert store.acquire_epoch(0, "b") == 2
+    assert store.acquire_epoch(1, "c") == 1
+    assert store.current_epoch(0) == 2
+    assert store.current_epoch(1) == 1
+    assert store.current_epoch(5) == 0
+
+
+# -- due_soon ------------------------------------------------------------------------
+
+
+def test_due_soon_lists_pending_within_window_oldest_first(store: JobStore) -> None:
+    now = store.now()
+    store.insert(new_job("overdue", now - 30 * SECOND))
+    store.insert(new_job("soon", now + 20 * SECOND))
+    store.insert(new_job("later", now + 600 * SECOND))
+    store.insert(new_job("other-shard", now + 10 * SECOND, shard=1))
+    store.insert(new_job("cancelled", now + 5 * SECOND))
+    store.cancel("cancelled")
+    ids = {key: job.id for key in ("overdue", "soon") if (job := store.get(key))}
+
+    items = store.due_soon(shard=0, within=60, limit=10)
+    assert [job_id for job_id, _ in items] == [ids["overdue"], ids["soon"]]
+    assert items[0][1] == now - 30 * SECOND
+    assert store.due_soon(shard=0, within=60, limit=1) == items[:1]
+    assert store.due_soon(shard=0, within=60, limit=10, after=now) == items[1:]
+    # Read-only: nothing changed state.
+    assert status_of(store, "overdue") is JobStatus.PENDING
+
+
+# -- claim_due -------------------------------------------------------------------------
+
+
+def test_claim_due_takes_oldest_due_first_up_to_limit(store: JobStore) -> None:
+    now = store.now()
+    offsets = [50, 10, 40, 20, 30]  # inserted out of order
+    for offset in offsets:
+        store.insert(new_job(f"due-{offset}", now - offset * SECOND))
+    store.insert(new_job("future-1", now + 120 * SECOND))
+    store.insert(new_job("future-2", now + 86400 * SECOND))
+    store.insert(new_job("shard-1", now - 60 * SECOND, shard=1))
+    epoch = leader(store)
+
+    first = store.claim_due(shard=0, epoch=epoch, limit=3)
+    assert [job.key for job in first] == ["due-50", "due-40", "due-30"]
+    for job in first:
+        assert job.status is JobStatus.DISPATCHED
+        assert job.leader_epoch == epoch
+        assert job.dispatched_at is not None
+        assert store.get(job.key) == job
+    second = store.claim_due(shard=0, epoch=epoch, limit=3)
+    assert [job.key for job in second] == ["due-20", "due-10"]
+    assert store.claim_due(shard=0, epoch=epoch, limit=3) == []
+    assert status_of(store, "future-1") is JobStatus.PENDING
+    assert status_of(store, "shard-1") is JobStatus.PENDING
+
+
+def test_claim_due_with_stale_epoch_claims_nothing(store: JobStore) -> None:
+    store.insert(new_job("j", past(store, 5)))
+    with pytest.raises(StaleEpoch):
+        store.claim_due(shard=0, epoch=0, limit=10)  # no leader was ever elected
+    old = leader(store)
+    new = leader(store)
+    with pytest.raises(StaleEpoch):
+        store.claim_due(shard=0, epoch=old, limit=10)
+    with pytest.raises(StaleEpoch):
+        store.claim_due(shard=0, epoch=new + 1, limit=10)
+    assert status_of(store, "j") is JobStatus.PENDING
+    assert [job.key for job in store.claim_due(shard=0, epoch=new, limit=10)] == ["j"]
+
+
+def test_epochs_are_per_shard(store: JobStore) -> None:
+    store.insert(new_job("s1", past(store, 5), shard=1))
+    epoch0 = leader(store, 0)
+    epoch0 = leader(store, 0)
+    epoch1 = leader(store, 1)
+    assert epoch0 != epoch1
+    with pytest.raises(StaleEpoch):
+        store.claim_due(shard=1, epoch=epoch0, limit=10)
+    assert [job.key for job in store.claim_due(shard=1, epoch=epoch1, limit=10)] == ["s1"]
+
+
+# -- claim_ids ------------------------------------------------------------------------
+
+
+def test_claim_ids_ignores_not_due_and_not_pending(store: JobStore) -> None:
+    now = store.now()
+    due_a = store.insert(new_job("a", now - 20 * SECOND))
+    due_b = store.insert(new_job("b", now - 30 * SECOND))
+    not_due = store.insert(new_job("not-due", now + 600 * SECOND))
+    cancelled = store.insert(new_job("cancelled", now - 10 * SECOND))
+    store.cancel("cancelled")
+    other_shard = store.insert(new_job("other", now - 10 * SECOND, shard=1))
+    store.insert(new_job("untouched", now - 10 * SECOND))
+    epoch = leader(store)
+
+    ids = [due_a.id, not_due.id, cancelled.id, other_shard.id, due_b.id, uuid.uuid4()]
+    claimed = store.claim_ids(ids, shard=0, epoch=epoch)
+    assert [job.key for job in claimed] == ["b", "a"]
+    assert all(job.status is JobStatus.DISPATCHED for job in claimed)
+    assert all(job.leader_epoch == epoch for job in claimed)
+    # Already dispatched now, so a second claim of the same ids gets nothing.
+    assert store.claim_ids(ids, shard=0, epoch=epoch) == []
+    assert status_of(store, "not-due") is JobStatus.PENDING
+    assert status_of(store, "untouched") is JobStatus.PENDING
+    assert status_of(store, "other") is JobStatus.PENDING
+    assert store.claim_ids([], shard=0, epoch=epoch) == []
+
+
+def test_claim_ids_is_fenced(store: JobStore) -> None:
+    job = store.insert(new_job("f", past(store, 5)))
+    stale = leader(store)
+    leader(store)
+    with pytest.raises(StaleEpoch):
+        store.claim_ids([job.id], shard=0, epoch=stale)
+    assert status_of(store, "f") is JobStatus.PENDING
+
+
+# -- release / mark_expired -----------------------------------------------------------------
+
+
+def test_release_is_fenced_by_epoch(store: JobStore) -> None:
+    job, epoch = claim_one(store, "r")
+    assert store.release([job.id], epoch=epoch + 1) == 0
+    assert status_of(store, "r") is JobStatus.DISPATCHED
+    assert store.release([job.id], epoch=epoch) == 1
+    released = store.get("r")
+    assert released is not None
+    assert released.status is JobStatus.PENDING
+    assert released.dispatched_at is None
+    assert released.attempt == 0
+    assert store.release([job.id], epoch=epoch) == 0
+    assert [j.key for j in store.claim_due(shard=0, epoch=epoch, limit=5)] == ["r"]
+    assert store.release([], epoch=epoch) == 0
+
+
+def test_mark_expired_is_fenced_by_epoch(store: JobStore) -> None:
+    job, epoch = claim_one(store, "x")
+    assert store.mark_expired([job.id], epoch=epoch - 1, reason="late") == 0
+    assert status_of(store, "x") is JobStatus.DISPATCHED
+    assert store.mark_expired([job.id, uuid.uuid4()], epoch=epoch, reason="expired at 12:00") == 1
+    expired = store.get("x")
+    assert expired is not None
+    assert expired.status is JobStatus.EXPIRED
+    assert expired.last_error == "expired at 12:00"
+    assert expired.finished_at is not None
+    assert store.mark_expired([], epoch=epoch, reason="r") == 0
+
+
+# -- reconcile -------------------------------------------------------------------------------
+
+
+def test_reconcile_requeues_past_visibility_timeout(store: JobStore) -> None:
+    now = store.now()
+    store.insert(new_job("quick", now - 5 * SECOND, visibility_timeout=0.2))
+    store.insert(new_job("patient", now - 5 * SECOND))  # uses the default timeout
+    epoch = leader(store)
+    assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 2
+    time.sleep(0.4)
+
+    result = store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=300)
+    assert (result.requeued, result.dead, result.timed_out) == (1, 0, 0)
+    quick = store.get("quick")
+    assert quick is not None
+    assert quick.status is JobStatus.PENDING
+    assert quick.attempt == 1
+    assert quick.dispatched_at is None
+    assert status_of(store, "patient") is JobStatus.DISPATCHED
+
+    # With a short default timeout the other one goes too.
+    result = store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=0.2)
+    assert (result.requeued, result.dead) == (1, 0)
+    assert status_of(store, "patient") is JobStatus.PENDING
+
+
+def test_reconcile_marks_dead_after_max_attempts(store: JobStore) -> None:
+    store.insert(new_job("doomed", past(store, 5), max_attempts=2))
+    epoch = leader(store)
+    for expected_attempt in (1, 2):
+        assert [j.key for j in store.claim_due(shard=0, epoch=epoch, limit=5)] == ["doomed"]
+        time.sleep(0.25)
+        store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=0.1)
+        job = store.get("doomed")
+        assert job is not None
+        assert job.attempt == expected_attempt
+    assert job is not None
+    assert job.status is JobStatus.DEAD
+    assert job.last_error
+    assert job.finished_at is not None
+    assert store.claim_due(shard=0, epoch=epoch, limit=5) == []
+
+
+def test_reconcile_counts_dead(store: JobStore) -> None:
+    store.insert(new_job("once", past(store, 5), max_attempts=1))
+    store.insert(new_job("twice", past(store, 5), max_attempts=2))
+    epoch = leader(store)
+    store.claim_due(shard=0, epoch=epoch, limit=5)
+    time.sleep(0.25)
+    result = store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=0.1)
+    assert (result.requeued, result.dead, result.timed_out) == (1, 1, 0)
+    assert status_of(store, "once") is JobStatus.DEAD
+    assert status_of(store, "twice") is JobStatus.PENDING
+
+
+def test_reconcile_respects_limit(store: JobStore) -> None:
+    for i in range(5):
+        store.insert(new_job(f"l{i}", past(store, 10 - i)))
+    epoch = leader(store)
+    store.claim_due(shard=0, epoch=epoch, limit=10)
+    time.sleep(0.25)
+    result = store.reconcile(shard=0, epoch=epoch, limit=3, default_visibility_timeout=0.1)
+    assert result.requeued == 3
+    assert store.counts_by_status() == {JobStatus.PENDING: 3, JobStatus.DISPATCHED: 2}
+
+
+def test_reconcile_is_fenced(store: JobStore) -> None:
+    _job, epoch = claim_one(store, "fenced")
+    time.sleep(0.25)
+    leader(store)
+    with pytest.raises(StaleEpoch):
+        store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=0.1)
+    assert status_of(store, "fenced") is JobStatus.DISPATCHED
+
+
+def test_reconcile_requeues_running_past_max_runtime(store: JobStore) -> None:
+    job, epoch = claim_one(store, "slow", max_runtime=0.2)
+    store.insert(new_job("no-limit", past(store, 5)))
+    other = store.claim_due(shard=0, epoch=epoch, limit=5)
+    assert store.mark_running(job.id, worker="w1") is True
+    assert store.mark_running(other[0].id, worker="w1") is True
+    time.sleep(0.4)
+    result = store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=300)
+    assert (result.requeued, result.dead, result.timed_out) == (1, 0, 1)
+    slow = store.get("slow")
+    assert slow is not None
+    assert slow.status is JobStatus.PENDING
+    assert slow.attempt == 1
+    assert slow.last_error is not None and "max_runtime" in slow.last_error
+    assert status_of(store, "no-limit") is JobStatus.RUNNING
+
+
+# -- worker transitions -----------------------------------------------------------------------
+
+
+def test_worker_transitions(store: JobStore) -> None:
+    job, _epoch = claim_one(store, "w")
+    assert store.mark_retrying(job.id, error="not running yet") is False
+    assert store.mark_running(job.id, worker="worker@a") is True
+    running = store.get("w")
+    assert running is not None
+    assert running.status is JobStatus.RUNNING
+    assert running.worker == "worker@a"
+    assert running.started_at is not None
+    assert store.mark_running(job.id, worker="worker@b") is False
+
+    assert store.mark_retrying(job.id, error="ConnectionError: boom") is True
+    retrying = store.get("w")
+    assert retrying is not None
+    assert retrying.status is JobStatus.RETRYING
+    assert retrying.last_error == "ConnectionError: boom"
+
+    assert store.mark_running(job.id, worker="worker@b") is True
+    assert store.mark_finished(job.id, JobStatus.FAILED, error="ValueError: bad") is True
+    failed = store.get("w")
+    assert failed is not None
+    assert failed.status is JobStatus.FAILED
+    assert failed.last_error == "ValueError: bad"
+    assert failed.finished_at is not None
+    assert store.mark_finished(job.id, JobStatus.SUCCEEDED) is False
+    assert store.mark_running(job.id, worker="worker@c") is False
+    assert store.mark_running(uuid.uuid4(), worker="worker@c") is False
+
+
+def test_worker_may_start_a_pending_job_and_finish_it(store: JobStore) -> None:
+    # A broker redelivery after a reconciler requeue reaches a worker while
+    # the row is pending again.
+    job = store.insert(new_job("p", future(store)))
+    assert store.mark_running(job.id, worker="w") is True
+    assert store.mark_finished(job.id, JobStatus.SUCCEEDED) is True
+    assert status_of(store, "p") is JobStatus.SUCCEEDED
+
+
+def test_mark_finished_refuses_unfinished_status(store: JobStore) -> None:
+    job = store.insert(new_job("u", future(store)))
+    with pytest.raises(ValueError):
+        store.mark_finished(job.id, JobStatus.RUNNING)
+    assert status_of(store, "u") is JobStatus.PENDING
+
+
+# -- counts ----------------------------------------------------------------------------------
+
+
+def test_counts_by_status_and_hour(store: JobStore) -> None:
+    hour = (store.now() + 48 * HOUR).replace(minute=0, second=0, microsecond=0)
+    for i in range(3):
+        store.insert(new_job(f"h1-{i}", hour + (10 + i) * dt.timedelta(minutes=1)))
+    for i in range(2):
+        store.insert(new_job(f"h2-{i}", hour + HOUR + i * SECOND))
+    store.cancel("h2-0")
+    assert store.counts_by_status() == {JobStatus.PENDING: 4, JobStatus.CANCELLED: 1}
+    assert store.counts_by_hour() == {hour: 3, hour + HOUR: 2}
+    assert store.counts_by_hour(JobStatus.PENDING) == {hour: 3, hour + HOUR: 1}
+    assert store.counts_by_hour(JobStatus.CANCELLED) == {hour + HOUR: 1}
+    assert store.counts_by_hour(JobStatus.DEAD) == {}
+    for key in store.counts_by_hour():
+        assert key.utcoffset() == dt.timedelta(0)
+
+
+# -- prune ---------------------------------------------------------------------------------
+
+
+def test_prune_deletes_old_finished_jobs_in_batches(store: JobStore) -> None:
+    due = future(store)
+    for i in range(7):
+        store.insert(new_job(f"done-{i}", due))
+        store.cancel(f"done-{i}")
+    store.insert(new_job("pending", due))
+    running = store.insert(new_job("running", due))
+    store.mark_running(running.id, worker="w")
+    assert store.prune(older_than=3600, batch=3) == 0
+    time.sleep(0.05)
+
+    assert store.prune(older_than=0, batch=3) == 7
+    assert store.counts_by_status() == {JobStatus.PENDING: 1, JobStatus.RUNNING: 1}
+    assert store.get("done-0") is None
+    assert store.prune(older_than=0, batch=3) == 0
+    # A pruned key can be scheduled again.
+    store.insert(new_job("done-0", due))

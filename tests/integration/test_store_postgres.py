@@ -1,0 +1,264 @@
+"""PostgresJobStore against a real PostgreSQL: concurrency, plans, failures, migrations."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+import pytest
+
+from celery_sched.errors import SchemaMissing, StoreUnavailable
+from celery_sched.models import Job, JobStatus
+from celery_sched.settings import Settings
+from celery_sched.store.postgres import PostgresJobStore
+from celery_sched.store.schema import build_metadata
+from tests.contract.conftest import new_job
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def store(settings: Settings) -> Iterator[PostgresJobStore]:
+    backend = PostgresJobStore(settings)
+    backend.migrate()
+    yield backend
+    backend.close()
+
+
+def raw_connect(settings: Settings) -> psycopg.Connection[Any]:
+    return psycopg.connect(settings.libpq_conninfo(), autocommit=True)
+
+
+def store_backends(settings: Settings) -> str:
+    return f"celery_sched[{settings.db_schema}]"
+
+
+def test_concurrent_claimers_get_disjoint_sets(store: PostgresJobStore, settings: Settings) -> None:
+    due = store.now() - dt.timedelta(seconds=30)
+    total = 3000
+    store.insert_many(new_job(f"c{i}", due + dt.timedelta(microseconds=i)) for i in range(total))
+    store.insert_many(new_job(f"f{i}", due + dt.timedelta(days=1, seconds=i)) for i in range(500))
+    epoch = store.acquire_epoch(0, "both")
+    start = threading.Barrier(2)
+
+    def claimer() -> list[Job]:
+        own = PostgresJobStore(settings)
+        claimed: list[Job] = []
+        start.wait()
+        try:
+            while batch := own.claim_due(shard=0, epoch=epoch, limit=100):
+                claimed.extend(batch)
+        finally:
+            own.close()
+        return claimed
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = (f.result() for f in [pool.submit(claimer), pool.submit(claimer)])
+    ids_first = {job.id for job in first}
+    ids_second = {job.id for job in second}
+    assert len(ids_first) == len(first) and len(ids_second) == len(second)
+    assert not ids_first & ids_second
+    assert {job.key for job in first + second} == {f"c{i}" for i in range(total)}
+    assert first and second, "both claimers should have won some rows"
+    assert store.counts_by_status() == {JobStatus.DISPATCHED: total, JobStatus.PENDING: 500}
+
+
+def test_claim_plan_uses_partial_pending_index(store: PostgresJobStore, settings: Settings) -> None:
+    now = store.now()
+    store.insert_many(
+        new_job(f"future-{i}", now + dt.timedelta(hours=1, seconds=i)) for i in range(30_000)
+    )
+    store.insert_many(new_job(f"due-{i}", now - dt.timedelta(seconds=i)) for i in range(50))
+    with raw_connect(settings) as conn:
+        conn.execute(f'ANALYZE "{settings.db_schema}".jobs')
+    plan = store.explain_claim(shard=0, limit=1000)
+    assert "jobs_pending_due_idx" in plan, plan
+    assert "Seq Scan" not in plan, plan
+    epoch = store.acquire_epoch(0, "plan")
+    assert len(store.claim_due(shard=0, epoch=epoch, limit=1000)) == 50
+
+
+def test_schema_has_storage_params_and_partial_indexes(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    with raw_connect(settings) as conn:
+        reloptions = conn.execute(
+            "SELECT c.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = 'jobs'",
+            (settings.db_schema,),
+        ).fetchone()
+        indexes: dict[str, str] = dict(
+            conn.execute(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %s",
+                (settings.db_schema,),
+            ).fetchall()
+        )
+    assert reloptions is not None
+    assert "fillfactor=80" in reloptions[0]
+    assert any(opt.startswith("autovacuum_vacuum_scale_factor=") for opt in reloptions[0])
+    pending = str(indexes["jobs_pending_due_idx"])
+    assert "(shard, due_bucket, due_at)" in pending
+    assert "WHERE (status = 'pending'::text)" in pending
+    assert "WHERE (status = 'dispatched'::text)" in str(indexes["jobs_dispatched_idx"])
+    assert "WHERE (finished_at IS NOT NULL)" in str(indexes["jobs_finished_idx"])
+
+
+def test_migration_matches_metadata(store: PostgresJobStore, settings: Settings) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    schema = settings.db_schema
+    with store.engine.connect() as conn:
+        context = MigrationContext.configure(
+            conn,
+            opts={
+                "include_schemas": True,
+                "include_name": lambda name, type_, parent: (
+                    name == schema if type_ == "schema" else True
+                ),
+                "version_table_schema": schema,
+            },
+        )
+        diffs = compare_metadata(context, build_metadata(schema))
+    assert diffs == []
+
+
+def test_schema_missing_before_migrate(settings: Settings) -> None:
+    fresh = PostgresJobStore(settings)
+    try:
+        with pytest.raises(SchemaMissing) as info:
+            fresh.get("anything")
+        assert "migrate" in str(info.value)
+        with pytest.raises(SchemaMissing):
+            fresh.claim_due(shard=0, epoch=1, limit=10)
+    finally:
+        fresh.close()
+
+
+def test_constructing_a_store_connects_to_nothing() -> None:
+    unreachable = Settings(database_url="postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
+    PostgresJobStore(unreachable).close()
+
+
+def test_migrate_twice_and_concurrently(settings: Settings) -> None:
+    stores = [PostgresJobStore(settings) for _ in range(3)]
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            for future in [pool.submit(s.migrate) for s in stores]:
+                future.result()
+        stores[0].migrate()
+        with raw_connect(settings) as conn:
+            versions = conn.execute(
+                f'SELECT version_num FROM "{settings.db_schema}".alembic_version'
+            ).fetchall()
+        assert versions == [("0001",)]
+        stores[1].insert(new_job("works", stores[1].now()))
+        assert stores[2].get("works") is not None
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_unreachable_database_raises_store_unavailable_without_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    secret = "s3cr3t-pw"
+    settings = Settings(
+        database_url=f"postgresql+psycopg://postgres:{secret}@127.0.0.1:1/test",
+        connect_retries=3,
+        retry_backoff=0.01,
+    )
+    unreachable = PostgresJobStore(settings)
+    caplog.set_level(logging.WARNING)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        unreachable.now()
+    assert time.monotonic() - started < 10
+    message = str(info.value)
+    assert secret not in message
+    assert "postgres:***@127.0.0.1:1/test" in message
+    retries = [r for r in caplog.records if "attempt" in r.getMessage()]
+    assert len(retries) == 2  # attempts 1 and 2 retried, the 3rd raised
+    assert all(secret not in record.getMessage() for record in caplog.records)
+    unreachable.close()
+
+
+def test_idle_connections_terminated_are_replaced(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    store.insert(new_job("k", store.now()))
+    with raw_connect(settings) as conn:
+        killed = conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = %s",
+            (store_backends(settings),),
+        ).fetchone()
+    assert killed is not None and killed[0] >= 1
+    job = store.get("k")
+    assert job is not None and job.key == "k"
+
+
+def test_connection_terminated_mid_claim_is_retried(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    quick = PostgresJobStore(dataclasses.replace(settings, retry_backoff=0.05))
+    store.insert(new_job("mid", store.now() - dt.timedelta(seconds=5)))
+    epoch = store.acquire_epoch(0, "mid")
+    result: list[list[Job]] = []
+    errors: list[BaseException] = []
+
+    def claim() -> None:
+        try:
+            result.append(quick.claim_due(shard=0, epoch=epoch, limit=10))
+        except BaseException as exc:
+            errors.append(exc)
+
+    with raw_connect(settings) as locker:
+        # Hold the leaders row so the claim blocks inside its transaction.
+        locker.execute("BEGIN")
+        locker.execute(f'SELECT * FROM "{settings.db_schema}".leaders FOR UPDATE')
+        thread = threading.Thread(target=claim)
+        thread.start()
+        deadline = time.monotonic() + 10
+        with raw_connect(settings) as admin:
+            while True:
+                row = admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+                    "AND wait_event_type = 'Lock'",
+                    (store_backends(settings),),
+                ).fetchone()
+                if row is not None:
+                    break
+                assert time.monotonic() < deadline, "claim never blocked on the leaders row"
+                time.sleep(0.02)
+            admin.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+        time.sleep(0.1)
+        locker.execute("COMMIT")
+    thread.join(timeout=20)
+    quick.close()
+    assert errors == []
+    assert [job.key for job in result[0]] == ["mid"]
+    assert store.counts_by_status() == {JobStatus.DISPATCHED: 1}
+
+
+def test_insert_many_streams_a_large_generator(store: PostgresJobStore) -> None:
+    due = store.now() + dt.timedelta(days=2)
+    produced = 0
+
+    def rows() -> Iterator[object]:
+        nonlocal produced
+        for i in range(50_000):
+            produced += 1
+            yield new_job(f"s{i}", due, id=uuid.uuid4())
+
+    assert store.insert_many(rows()) == 50_000  # type: ignore[arg-type]
+    assert produced == 50_000
+    assert store.counts_by_status() == {JobStatus.PENDING: 50_000}
