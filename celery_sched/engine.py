@@ -264,7 +264,7 @@ class Engine:
         self.stats.claims += 1
         try:
             result = self.dispatcher.publish(jobs, epoch=epoch, now=self.store_now())
-        except PublishError as exc:
+        except CelerySchedError as exc:
             # The dispatcher reports failures per job; this is the belt to
             # those braces. Which jobs went out is unknown, so all go back.
             logger.warning("publish raised %s; releasing the batch", exc)
@@ -276,6 +276,10 @@ class Engine:
         if result.failed:
             logger.warning("%d jobs failed to publish; releasing them", len(result.failed))
             self._settle("release", result.failed, epoch)
+            if not result.sent:
+                # Nothing got through: the broker is down. Back off (step()
+                # does) instead of claiming the same jobs again at once.
+                raise PublishError(f"broker unavailable: {len(result.failed)} jobs not published")
 
     def _settle(self, action: str, job_ids: Sequence[uuid.UUID], epoch: int) -> None:
         """Finish a transition after publishing; on failure the reconciler will."""
