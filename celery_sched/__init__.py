@@ -1,6 +1,6 @@
 """celery_sched: a Celery beat replacement backed by PostgreSQL and Redis.
 
-Public names: :class:`Client`, :class:`Task`, :class:`Job`, :class:`JobStatus`
+Public names: :class:`Client`, :class:`Job`, :class:`JobStatus`
 and the exceptions in :mod:`celery_sched.errors`.
 """
 
@@ -29,7 +29,6 @@ from celery_sched.models import Job, JobStatus
 
 if TYPE_CHECKING:
     from celery_sched.client import Client
-    from celery_sched.task import Task
 
 __version__ = "0.1.0"
 
@@ -49,7 +48,6 @@ __all__ = [
     "NonExistentTime",
     "PayloadTooLarge",
     "StoreUnavailable",
-    "Task",
     "UnknownOption",
     "UnknownTask",
     "UnknownTimezone",
@@ -57,14 +55,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Client and Task pull in Celery and the database driver; import them on
-    # first use so `celery -A proj beat -S celery_sched` stays cheap to load.
+    # Client pulls in Celery and the database driver; import it on first
+    # use so `celery -A proj beat -S celery_sched` stays cheap to load.
     if name == "Client":
         from celery_sched.client import Client
 
         return Client
-    if name == "Task":
-        from celery_sched.task import Task
-
-        return Task
     raise AttributeError(f"module 'celery_sched' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from celery_sched.timeutil import ensure_utc, to_bucket
+from celery_sched.timeutil import UTC, ensure_utc, to_bucket
 
 
 class JobStatus(enum.StrEnum):
@@ -59,7 +59,8 @@ MESSAGE_OPTIONS = frozenset(
 def _check_aware(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value is not None:
+        # Already UTC is the common case on hot paths (bulk scheduling, claims).
+        if value is not None and value.tzinfo is not UTC:
             object.__setattr__(obj, name, ensure_utc(value, name=name))
 
 

@@ -138,7 +138,7 @@ class Settings:
         """The database URL, forced onto the psycopg 3 driver."""
         try:
             url = make_url(self.database_url)
-        except ArgumentError as exc:
+        except (ArgumentError, ValueError) as exc:
             raise InvalidURL(
                 f"celery_sched_database_url is not a valid URL: {sanitize_url(self.database_url)}"
             ) from exc

@@ -14,6 +14,8 @@ from celery_sched.errors import AmbiguousTime, NonExistentTime, UnknownTimezone
 
 UTC = dt.UTC
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=UTC)
+_MINUTE = dt.timedelta(minutes=1)
+_SECOND = dt.timedelta(seconds=1)
 
 
 def get_zone(name: str) -> dt.tzinfo:
@@ -62,17 +64,17 @@ def resolve_local(value: dt.datetime, zone: dt.tzinfo) -> dt.datetime:
 
 def to_bucket(value: dt.datetime) -> int:
     """Whole minutes since the Unix epoch, floored, for an aware datetime."""
-    return int((value - EPOCH) // dt.timedelta(minutes=1))
+    return int((value - EPOCH) // _MINUTE)
 
 
 def bucket_start(bucket: int) -> dt.datetime:
     """The UTC instant at which minute bucket ``bucket`` begins."""
-    return EPOCH + dt.timedelta(minutes=bucket)
+    return EPOCH + bucket * _MINUTE
 
 
 def to_epoch_seconds(value: dt.datetime) -> float:
     """Seconds since the Unix epoch for an aware datetime (the ZSET score)."""
-    return (value - EPOCH) / dt.timedelta(seconds=1)
+    return (value - EPOCH) / _SECOND
 
 
 def from_epoch_seconds(value: float) -> dt.datetime:

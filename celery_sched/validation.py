@@ -1,0 +1,612 @@
+"""Turning user input into :class:`~celery_sched.models.NewJob`, with every check.
+
+:class:`JobBuilder` runs before anything is written, so a rejected job leaves
+no trace. Every rejection is a :class:`~celery_sched.errors.InvalidJob`
+subclass whose message names the problem.
+
+``Client.schedule_many`` pushes a million rows through :meth:`JobBuilder.build`
+in one call, so the per-row path avoids repeated lookups: the task registry,
+timezone, serializer and repr limits are resolved once, and the common case
+of flat scalar arguments with the JSON serializer is encoded without the
+generic (and several times slower) encoder and ``saferepr`` machinery, with
+byte-identical output.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import uuid
+import zlib
+import zoneinfo
+from collections.abc import Callable, Mapping
+from json.encoder import encode_basestring_ascii
+from typing import Any
+
+import kombu.serialization
+from celery.utils.saferepr import saferepr
+from kombu.serialization import dumps
+from kombu.utils.json import dumps as kombu_json_dumps
+
+from celery_sched.errors import (
+    InvalidArguments,
+    InvalidJob,
+    InvalidTime,
+    PayloadTooLarge,
+    UnknownOption,
+    UnknownTask,
+    UnknownTimezone,
+)
+from celery_sched.models import MESSAGE_OPTIONS, NewJob
+from celery_sched.settings import Settings
+from celery_sched.timeutil import UTC, resolve_local
+
+#: Scheduling options that shape the job row rather than the message.
+JOB_OPTIONS = frozenset({"expires", "max_attempts", "visibility_timeout", "max_runtime"})
+
+#: Every option ``schedule`` accepts besides its named parameters.
+ALLOWED_OPTIONS = MESSAGE_OPTIONS | JOB_OPTIONS
+
+MAX_KEY_LENGTH = 512
+
+#: The protocol-2 "embed" part of the body: scheduled jobs carry no canvas.
+_EMBED: dict[str, None] = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+_EMBED_JSON_TAIL = "}, " + json.dumps(_EMBED) + "]"
+
+_DEFAULT_REPR_MAXLEVELS = 3
+
+Clock = Callable[[], dt.datetime]
+
+
+class JobBuilder:
+    """Validates scheduling input against a Celery app and builds NewJobs.
+
+    ``now`` arguments are callables so the store's clock is consulted only
+    when a row actually needs it (a countdown, or no due time at all).
+    """
+
+    def __init__(self, app: Any, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        # The registry is a live dict: tasks registered later are still seen.
+        self._tasks: Mapping[str, Any] = app.tasks
+        try:
+            self._zone: dt.tzinfo = app.timezone
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError) as exc:
+            raise UnknownTimezone(
+                f"the Celery app's timezone {app.conf.timezone!r} is unknown"
+            ) from exc
+        self._serializer: str = app.conf.task_serializer
+        self._argsrepr_max: int | None = app.amqp.argsrepr_maxsize
+        self._kwargsrepr_max: int | None = app.amqp.kwargsrepr_maxsize
+        maxlevels = app.conf.get("task_repr_maxlevels", _DEFAULT_REPR_MAXLEVELS)
+        self._repr_maxlevels: int = _DEFAULT_REPR_MAXLEVELS if maxlevels is None else maxlevels
+        self._max_payload = settings.max_payload_bytes
+        self._max_attempts = settings.max_attempts
+        self._shards = settings.shards
+        self._ids = _UUID4Source()
+        self._content_type, self._content_encoding = _codec_of(self._serializer)
+        # The flat-scalar fast path reproduces kombu's JSON output exactly;
+        # only take it when the app uses kombu's own JSON encoder.
+        self._fast_json = self._serializer == "json" and _registered_encoder("json") is (
+            kombu_json_dumps
+        )
+        # Flat containers sit at repr level 1, which saferepr never elides
+        # unless maxlevels is negative.
+        self._fast_repr = self._repr_maxlevels >= 0
+
+    # -- public -------------------------------------------------------------
+
+    def build(
+        self,
+        task_name: str,
+        args: Any = (),
+        kwargs: Any = None,
+        *,
+        eta: Any = None,
+        countdown: Any = None,
+        key: Any = None,
+        check_task: bool = True,
+        now: Clock,
+        options: Mapping[str, Any] | None = None,
+    ) -> NewJob:
+        """Validate one job and return it ready to write.
+
+        ``now`` supplies the store's current time for countdowns and for
+        jobs given no due time. Raises an :class:`InvalidJob` subclass.
+        """
+        return self._build(task_name, args, kwargs, eta, countdown, key, check_task, now, options)
+
+    def build_row(self, row: Mapping[str, Any], now: Clock, row_fields: frozenset[str]) -> NewJob:
+        """:meth:`build` from one ``schedule_many`` row.
+
+        ``row_fields`` are the keys that are not options; any other key is
+        one. Reading the mapping here, not in the caller, saves a keyword
+        call per row on the bulk path.
+        """
+        get = row.get
+        task = get("task")
+        if task is None:
+            task = get("task_name")
+        return self._build(
+            task,
+            get("args", ()),
+            get("kwargs"),
+            get("eta"),
+            get("countdown"),
+            get("key"),
+            get("check_task", True),
+            now,
+            None
+            if row_fields.issuperset(row)
+            else {name: value for name, value in row.items() if name not in row_fields},
+        )
+
+    def _build(
+        self,
+        task_name: Any,
+        args: Any,
+        kwargs: Any,
+        eta: Any,
+        countdown: Any,
+        key: Any,
+        check_task: Any,
+        now: Clock,
+        options: Mapping[str, Any] | None,
+    ) -> NewJob:
+        if type(task_name) is not str or not task_name:
+            raise UnknownTask(f"task name must be a non-empty string, got {task_name!r}")
+        if not task_name.isascii() or "\x00" in task_name:
+            _check_text("task name", task_name)
+        if check_task and task_name not in self._tasks:
+            raise UnknownTask(
+                f"task {task_name!r} is not registered with Celery app {self.app.main!r}; "
+                "import the module that defines it or pass check_task=False"
+            )
+        if args is None:
+            args = ()
+        elif (
+            type(args) is not tuple
+            and type(args) is not list
+            and not isinstance(args, (list, tuple))
+        ):
+            raise InvalidArguments(
+                f"args of task {task_name!r} must be a list or tuple, got {type(args).__name__}"
+            )
+        if kwargs is None:
+            kwargs = {}
+        elif type(kwargs) is not dict:
+            if not isinstance(kwargs, Mapping):
+                raise InvalidArguments(
+                    f"kwargs of task {task_name!r} must be a mapping, got {type(kwargs).__name__}"
+                )
+            kwargs = dict(kwargs)
+
+        body, argsrepr, kwargsrepr = self._encode(task_name, args, kwargs)
+
+        # The common bulk case, an aware UTC eta, needs no conversion.
+        if countdown is None and type(eta) is dt.datetime and eta.tzinfo is UTC:
+            due_at = eta
+        else:
+            due_at = self._due_at(eta, countdown, now)
+
+        if key is None:
+            job_id = self._ids.next()
+            key = str(job_id)
+        else:
+            if type(key) is not str:
+                raise InvalidJob(f"job key must be a string, got {type(key).__name__}")
+            if not key or len(key) > MAX_KEY_LENGTH:
+                raise InvalidJob(
+                    f"job key must be 1 to {MAX_KEY_LENGTH} characters, got {len(key)}"
+                )
+            if not key.isascii() or "\x00" in key:
+                _check_text("job key", key)
+            job_id = self._ids.next()
+
+        shard = 0 if self._shards == 1 else zlib.crc32(key.encode()) % self._shards
+
+        if options:
+            return self._with_options(
+                job_id, key, task_name, body, argsrepr, kwargsrepr, due_at, shard, options
+            )
+        return NewJob(
+            id=job_id,
+            key=key,
+            task=task_name,
+            body=body,
+            content_type=self._content_type,
+            content_encoding=self._content_encoding,
+            argsrepr=argsrepr,
+            kwargsrepr=kwargsrepr,
+            due_at=due_at,
+            max_attempts=self._max_attempts,
+            shard=shard,
+        )
+
+    def shard_of(self, key: str) -> int:
+        """The shard a job key belongs to (stable across processes)."""
+        return 0 if self._shards == 1 else zlib.crc32(key.encode()) % self._shards
+
+    # -- arguments ------------------------------------------------------------
+
+    def _encode(
+        self, task_name: str, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[bytes, str, str]:
+        """Serialize the protocol-2 body once; return it with argsrepr/kwargsrepr."""
+        for name in kwargs:
+            if type(name) is not str:
+                raise InvalidArguments(
+                    f"kwargs of task {task_name!r} must have string keys, got {name!r}"
+                )
+        fast = _flat_scalars(args, kwargs) if self._fast_repr else None
+        if fast is None:
+            body = self._serialize(task_name, args, kwargs)
+            return (
+                body,
+                _pg_text(self._saferepr_args(args)),
+                _pg_text(self._saferepr_kwargs(kwargs)),
+            )
+        arg_reprs, arg_jsons, kwarg_reprs, kwarg_jsons = fast
+        inner = ", ".join(arg_reprs)
+        if type(args) is list:
+            argsrepr = "[" + inner + "]"
+        elif len(arg_reprs) == 1:
+            argsrepr = "(" + inner + ",)"
+        else:
+            argsrepr = "(" + inner + ")"
+        # Only an untruncated saferepr equals the plain join.
+        limit = self._argsrepr_max
+        if limit is not None and len(argsrepr) >= limit:
+            argsrepr = self._saferepr_args(args)
+        kwargsrepr = "{" + ", ".join(kwarg_reprs) + "}" if kwarg_reprs else "{}"
+        limit = self._kwargsrepr_max
+        if limit is not None and len(kwargsrepr) >= limit:
+            kwargsrepr = self._saferepr_kwargs(kwargs)
+        if not argsrepr.isascii() or "\x00" in argsrepr:
+            argsrepr = _pg_text(argsrepr)
+        if not kwargsrepr.isascii() or "\x00" in kwargsrepr:
+            kwargsrepr = _pg_text(kwargsrepr)
+        if not self._fast_json:
+            return self._serialize(task_name, args, kwargs), argsrepr, kwargsrepr
+        body = (
+            "[[" + ", ".join(arg_jsons) + "], {" + ", ".join(kwarg_jsons) + _EMBED_JSON_TAIL
+        ).encode("ascii")
+        if len(body) > self._max_payload:
+            self._check_size(task_name, body)
+        return body, argsrepr, kwargsrepr
+
+    def _serialize(
+        self, task_name: str, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bytes:
+        try:
+            _ctype, _cenc, payload = dumps((args, kwargs, _EMBED), serializer=self._serializer)
+        except Exception as exc:  # serializers raise anything; all mean "cannot encode"
+            cause = exc.__cause__ or exc
+            raise InvalidArguments(
+                f"arguments of task {task_name!r} cannot be serialized with "
+                f"{self._serializer!r}: {type(cause).__name__}: {cause}"
+            ) from exc
+        body = payload.encode(self._text_encoding()) if isinstance(payload, str) else payload
+        self._check_size(task_name, body)
+        return body
+
+    def _text_encoding(self) -> str:
+        enc = self._content_encoding
+        return "utf-8" if enc in ("binary", "") else enc
+
+    def _check_size(self, task_name: str, body: bytes) -> None:
+        if len(body) > self._max_payload:
+            raise PayloadTooLarge(
+                f"serialized arguments of task {task_name!r} are {len(body)} bytes, "
+                f"over the limit of {self._max_payload} bytes (celery_sched_max_payload_bytes)"
+            )
+
+    def _saferepr_args(self, args: list[Any] | tuple[Any, ...]) -> str:
+        return saferepr(args, self._argsrepr_max, maxlevels=self._repr_maxlevels)
+
+    def _saferepr_kwargs(self, kwargs: dict[str, Any]) -> str:
+        return saferepr(kwargs, self._kwargsrepr_max, maxlevels=self._repr_maxlevels)
+
+    # -- time -----------------------------------------------------------------
+
+    def _due_at(self, eta: Any, countdown: Any, now: Clock) -> dt.datetime:
+        if eta is not None:
+            if countdown is not None:
+                raise InvalidTime("give eta or countdown, not both")
+            return self._instant(eta, "eta")
+        if countdown is None:
+            return now()
+        if type(countdown) is bool or not isinstance(countdown, (int, float)):
+            raise InvalidTime(f"countdown must be a number of seconds, got {countdown!r}")
+        if not math.isfinite(countdown) or countdown < 0:
+            raise InvalidTime(f"countdown must be a finite number >= 0, got {countdown!r}")
+        try:
+            return now() + dt.timedelta(seconds=countdown)
+        except OverflowError as exc:
+            raise InvalidTime(f"countdown {countdown!r} is out of range") from exc
+
+    def _instant(self, value: Any, name: str) -> dt.datetime:
+        """An aware UTC instant from a datetime or ISO 8601 string."""
+        if isinstance(value, str):
+            try:
+                value = dt.datetime.fromisoformat(value)
+            except ValueError as exc:
+                raise InvalidTime(f"{name} is not an ISO 8601 datetime: {value!r}") from exc
+        if not isinstance(value, dt.datetime):
+            raise InvalidTime(f"{name} must be a datetime, got {type(value).__name__}")
+        tz = value.tzinfo
+        if tz is UTC:
+            return value
+        if tz is not None and value.utcoffset() is not None:
+            return value.astimezone(UTC)
+        # Naive: the app's timezone, as Celery reads a naive eta. Raises
+        # AmbiguousTime / NonExistentTime (both InvalidTime) around DST.
+        return resolve_local(value.replace(tzinfo=None), self._zone)
+
+    # -- options --------------------------------------------------------------
+
+    def _with_options(
+        self,
+        job_id: uuid.UUID,
+        key: str,
+        task_name: str,
+        body: bytes,
+        argsrepr: str,
+        kwargsrepr: str,
+        due_at: dt.datetime,
+        shard: int,
+        options: Mapping[str, Any],
+    ) -> NewJob:
+        unknown = [name for name in options if name not in ALLOWED_OPTIONS]
+        if unknown:
+            raise UnknownOption(
+                f"unknown option(s) {', '.join(sorted(map(str, unknown)))} for task "
+                f"{task_name!r}; allowed: {', '.join(sorted(ALLOWED_OPTIONS))}"
+            )
+        message: dict[str, Any] = {}
+        for name in MESSAGE_OPTIONS:
+            value = options.get(name)
+            if value is not None:
+                message[name] = _check_message_option(name, value)
+
+        expires_at: dt.datetime | None = None
+        expires = options.get("expires")
+        if expires is not None:
+            expires_at = self._expires_at(expires, due_at)
+
+        max_attempts = options.get("max_attempts")
+        if max_attempts is None:
+            max_attempts = self._max_attempts
+        elif type(max_attempts) is not int or max_attempts < 1:
+            raise InvalidJob(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+
+        return NewJob(
+            id=job_id,
+            key=key,
+            task=task_name,
+            body=body,
+            content_type=self._content_type,
+            content_encoding=self._content_encoding,
+            argsrepr=argsrepr,
+            kwargsrepr=kwargsrepr,
+            due_at=due_at,
+            options=message,
+            expires_at=expires_at,
+            max_attempts=max_attempts,
+            shard=shard,
+            visibility_timeout=_positive_seconds(
+                "visibility_timeout", options.get("visibility_timeout")
+            ),
+            max_runtime=_positive_seconds("max_runtime", options.get("max_runtime")),
+        )
+
+    def _expires_at(self, expires: Any, due_at: dt.datetime) -> dt.datetime:
+        if isinstance(expires, (int, float)) and type(expires) is not bool:
+            if not math.isfinite(expires) or expires <= 0:
+                raise InvalidTime(
+                    f"expires must be a positive number of seconds after the due time, "
+                    f"got {expires!r}"
+                )
+            try:
+                return due_at + dt.timedelta(seconds=expires)
+            except OverflowError as exc:
+                raise InvalidTime(f"expires {expires!r} is out of range") from exc
+        if isinstance(expires, (dt.datetime, str)):
+            expires_at = self._instant(expires, "expires")
+            if expires_at <= due_at:
+                raise InvalidTime(
+                    f"expires ({expires_at.isoformat()}) must be after the due time "
+                    f"({due_at.isoformat()})"
+                )
+            return expires_at
+        raise InvalidTime(
+            "expires must be seconds after the due time or a datetime, "
+            f"got {type(expires).__name__}"
+        )
+
+
+# -- option checks -------------------------------------------------------------
+
+
+def _check_message_option(name: str, value: Any) -> Any:
+    if name in ("queue", "exchange", "routing_key"):
+        if not isinstance(value, str) or (name == "queue" and not value):
+            raise InvalidJob(f"option {name} must be a non-empty string, got {value!r}")
+        _check_text(f"option {name}", value)
+        return value
+    if name == "priority":
+        if type(value) is not int or not 0 <= value <= 255:
+            raise InvalidJob(f"option priority must be an integer 0-255, got {value!r}")
+        return value
+    if name in ("time_limit", "soft_time_limit"):
+        return _positive_seconds(name, value)
+    if name == "ignore_result":
+        if type(value) is not bool:
+            raise InvalidJob(f"option ignore_result must be a bool, got {value!r}")
+        return value
+    if name == "headers":
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise InvalidJob("option headers must be a mapping with string keys")
+        headers = dict(value)
+        try:
+            # Options are stored as JSON; refuse what would not survive.
+            text = json.dumps(headers)
+        except (TypeError, ValueError) as exc:
+            raise InvalidJob(f"option headers must be JSON-serializable: {exc}") from exc
+        if "\\u0000" in text:
+            raise InvalidJob("option headers must not contain NUL characters (jsonb refuses them)")
+        return headers
+    raise AssertionError(f"unhandled message option {name}")  # pragma: no cover
+
+
+def _check_text(what: str, value: str) -> None:
+    """Refuse text PostgreSQL cannot store: NUL characters, lone surrogates."""
+    if "\x00" in value:
+        raise InvalidJob(f"{what} must not contain NUL characters: {value!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidJob(f"{what} is not valid Unicode text: {value!r}") from exc
+
+
+def _pg_text(text: str) -> str:
+    """A repr made storable as PostgreSQL text (escaping NUL and lone surrogates)."""
+    text = text.replace("\x00", "\\x00")
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _positive_seconds(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if type(value) is bool or not isinstance(value, (int, float)):
+        raise InvalidJob(f"option {name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidJob(f"option {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+# -- serializer lookups ----------------------------------------------------------
+
+
+def _registered_encoder(serializer: str) -> object:
+    # kombu keeps its codec table private; without it the fast path is off.
+    table = getattr(getattr(kombu.serialization, "registry", None), "_encoders", {})
+    codec = table.get(serializer)
+    return None if codec is None else codec[2]
+
+
+def _codec_of(serializer: str) -> tuple[str, str]:
+    """Content type and encoding of ``serializer`` (raises InvalidJob if unknown)."""
+    try:
+        content_type, content_encoding, _payload = dumps([], serializer=serializer)
+    except Exception as exc:
+        raise InvalidJob(f"task serializer {serializer!r} is not available: {exc}") from exc
+    return content_type, content_encoding
+
+
+# -- the flat-scalar fast path -----------------------------------------------------
+
+_Part = tuple[str, str]  # (saferepr text, JSON text)
+
+
+def _scalar(value: Any) -> _Part | None:
+    """saferepr and kombu-JSON text of a plain scalar, or None if not plain."""
+    kind = type(value)
+    if kind is str:
+        # saferepr quotes with ' and escapes only the quote, unlike repr().
+        return "'" + value.replace("'", "\\'") + "'", encode_basestring_ascii(value)
+    if kind is int:
+        text: str = int.__repr__(value)
+        return text, text
+    if value is None:
+        return "None", "null"
+    if kind is bool:
+        return ("True", "true") if value else ("False", "false")
+    if kind is float and math.isfinite(value):
+        text = float.__repr__(value)
+        return text, text
+    return None
+
+
+def _flat_scalars(
+    args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[str], list[str], list[str], list[str]] | None:
+    """saferepr and JSON texts of each arg and of each ``key: value`` kwarg,
+    or None unless all are plain scalars."""
+    arg_reprs: list[str] = []
+    arg_jsons: list[str] = []
+    for value in args:
+        part = _scalar(value)
+        if part is None:
+            return None
+        arg_reprs.append(part[0])
+        arg_jsons.append(part[1])
+    kwarg_reprs: list[str] = []
+    kwarg_jsons: list[str] = []
+    for name, value in kwargs.items():
+        part = _scalar(value)
+        if part is None:
+            return None
+        kwarg_reprs.append("'" + name.replace("'", "\\'") + "': " + part[0])
+        kwarg_jsons.append(encode_basestring_ascii(name) + ": " + part[1])
+    return arg_reprs, arg_jsons, kwarg_reprs, kwarg_jsons
+
+
+# -- ids -------------------------------------------------------------------------
+
+
+class _UUID4Source:
+    """Random (version 4) UUIDs, drawing OS randomness in blocks.
+
+    ``uuid.uuid4()`` makes a syscall and runs ``UUID.__init__``'s checks per
+    id, which is a large share of a bulk insert's per-row cost. The bits are
+    the same: 122 random bits from ``os.urandom`` with the version and
+    variant fields set as RFC 4122 requires.
+    """
+
+    _BLOCK = 16 * 4096
+    _CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
+    _SET = (0x8000 << 48) | (4 << 76)
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._pos = 0
+        self._fast = _can_build_uuid_directly()
+
+    def next(self) -> uuid.UUID:
+        if not self._fast:
+            return uuid.uuid4()
+        pos = self._pos
+        if pos >= len(self._buf):
+            self._buf = os.urandom(self._BLOCK)
+            pos = 0
+        self._pos = pos + 16
+        value = (int.from_bytes(self._buf[pos : pos + 16], "big") & self._CLEAR) | self._SET
+        return _uuid_from_int(value)
+
+
+_new = object.__new__
+_set = object.__setattr__
+_SAFE_UNKNOWN = uuid.SafeUUID.unknown
+
+
+def _uuid_from_int(value: int) -> uuid.UUID:
+    # What UUID.__init__ ends with, without re-checking a value built to be valid.
+    obj: uuid.UUID = _new(uuid.UUID)
+    _set(obj, "int", value)
+    _set(obj, "is_safe", _SAFE_UNKNOWN)
+    return obj
+
+
+def _can_build_uuid_directly() -> bool:
+    """True when this Python's UUID can be built by slot assignment."""
+    try:
+        probe = _uuid_from_int(0x12345678123441238123123456789ABC)
+        return probe == uuid.UUID("12345678-1234-4123-8123-123456789abc") and probe.version == 4
+    except Exception:
+        return False

@@ -1,0 +1,135 @@
+"""``celery -A tests.integration.cli_app sched ...`` as a real subprocess."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from celery_sched.client import Client
+from celery_sched.models import JobStatus
+from celery_sched.settings import Settings
+from tests.integration import cli_app
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CELERY = str(Path(sys.executable).with_name("celery"))
+
+
+def run_sched(
+    *args: str, schema: str, database_url: str, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CELERY_SCHED_DB_SCHEMA": schema,
+        "CELERY_SCHED_DATABASE_URL": database_url,
+        **(extra_env or {}),
+    }
+    return subprocess.run(
+        [CELERY, "-A", "tests.integration.cli_app", "sched", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def counts_line(output: str, status: str) -> int:
+    for line in output.splitlines():
+        parts = line.split()
+        if parts[:1] == [status]:
+            return int(parts[1])
+    raise AssertionError(f"no {status} line in:\n{output}")
+
+
+def test_migrate_status_and_prune(pg_url: str, pg_schema: str) -> None:
+    result = run_sched("migrate", schema=pg_schema, database_url=pg_url)
+    assert result.returncode == 0, result.stderr
+    assert f"'{pg_schema}'" in result.stdout
+    assert "127.0.0.1:5432/test" in result.stdout
+    assert "up to date" in result.stdout
+
+    # Migrating again is a no-op that still succeeds.
+    assert run_sched("migrate", schema=pg_schema, database_url=pg_url).returncode == 0
+
+    settings = Settings(database_url=pg_url, db_schema=pg_schema)
+    base = dt.datetime(2031, 5, 1, 10, 0, tzinfo=dt.UTC)
+    with Client(cli_app.app, settings=settings) as client:
+        client.schedule_many(
+            {"task": "cli_app.ping", "eta": base + dt.timedelta(minutes=20 * i), "key": f"k{i}"}
+            for i in range(5)
+        )
+        assert client.cancel("k0")
+
+    result = run_sched("status", "--by-hour", schema=pg_schema, database_url=pg_url)
+    assert result.returncode == 0, result.stderr
+    assert counts_line(result.stdout, "pending") == 4
+    assert counts_line(result.stdout, "cancelled") == 1
+    assert counts_line(result.stdout, "total") == 5
+    assert "2031-05-01T10:00Z  3" in result.stdout
+    assert "2031-05-01T11:00Z  2" in result.stdout
+
+    result = run_sched(
+        "status", "--by-hour", "--status", "pending", schema=pg_schema, database_url=pg_url
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2031-05-01T10:00Z  2" in result.stdout
+
+    # The cancelled job finished just now: the default retention keeps it,
+    # --older-than 0 removes it.
+    result = run_sched("prune", schema=pg_schema, database_url=pg_url)
+    assert result.returncode == 0, result.stderr
+    assert "Pruned 0 " in result.stdout
+    result = run_sched("prune", "--older-than", "0", schema=pg_schema, database_url=pg_url)
+    assert result.returncode == 0, result.stderr
+    assert "Pruned 1 " in result.stdout
+    with Client(cli_app.app, settings=settings) as client:
+        assert client.counts_by_status() == {JobStatus.PENDING: 4}
+
+
+def test_status_before_migrate_names_the_fix(pg_url: str, pg_schema: str) -> None:
+    result = run_sched("status", schema=pg_schema, database_url=pg_url)
+    assert result.returncode != 0
+    assert "SchemaMissing" in result.stderr
+    assert "sched migrate" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mysql://admin:hunter2@127.0.0.1/test",
+        "postgresql+psycopg://admin:hunter2@127.0.0.1:5432/",
+        "postgresql+psycopg://admin:hunter2@127.0.0.1:notaport/test",
+        "::not a url::",
+    ],
+)
+def test_malformed_database_url_is_a_clean_error(url: str, pg_schema: str) -> None:
+    result = run_sched("migrate", schema=pg_schema, database_url=url)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "Error:" in result.stderr
+    assert "Traceback" not in output
+    assert "hunter2" not in output
+
+
+def test_unreachable_database_is_a_clean_error(pg_schema: str) -> None:
+    url = "postgresql+psycopg://admin:hunter2@127.0.0.1:1/test"
+    result = run_sched(
+        "migrate",
+        schema=pg_schema,
+        database_url=url,
+        extra_env={"CELERY_SCHED_CONNECT_RETRIES": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "StoreUnavailable" in result.stderr
+    assert "Traceback" not in output
+    assert "hunter2" not in output

@@ -1,0 +1,471 @@
+"""Every input rule of JobBuilder, and the fast encoding path's exactness."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import uuid
+import zlib
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.utils.saferepr import saferepr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kombu.serialization import dumps, loads
+
+from celery_sched.errors import (
+    AmbiguousTime,
+    InvalidArguments,
+    InvalidJob,
+    InvalidTime,
+    NonExistentTime,
+    PayloadTooLarge,
+    UnknownOption,
+    UnknownTask,
+    UnknownTimezone,
+)
+from celery_sched.settings import Settings
+from celery_sched.validation import MAX_KEY_LENGTH, JobBuilder
+
+UTC = dt.UTC
+NOW = dt.datetime(2024, 6, 1, 12, 0, tzinfo=UTC)
+EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+def make_app(**conf: Any) -> Celery:
+    app = Celery("validation_tests", set_as_current=False)
+    app.conf.update(timezone="America/New_York", **conf)
+
+    @app.task(name="tests.add", shared=False)
+    def add(x: int, y: int = 0) -> int:
+        return x + y
+
+    return app
+
+
+def fixed_now() -> dt.datetime:
+    return NOW
+
+
+@pytest.fixture
+def app() -> Celery:
+    return make_app()
+
+
+@pytest.fixture
+def builder(app: Celery) -> JobBuilder:
+    return JobBuilder(app, Settings())
+
+
+def build(builder: JobBuilder, *args: Any, **kwargs: Any) -> Any:
+    kwargs.setdefault("now", fixed_now)
+    return builder.build(*args, **kwargs)
+
+
+def expected_body(args: Any, kwargs: Any, serializer: str = "json") -> bytes:
+    _ctype, _enc, payload = dumps((args, kwargs, EMBED), serializer=serializer)
+    return payload.encode() if isinstance(payload, str) else payload
+
+
+# -- task name ------------------------------------------------------------------
+
+
+def test_unknown_task_is_refused_with_its_name(builder: JobBuilder) -> None:
+    with pytest.raises(UnknownTask, match=r"'tests\.nope'"):
+        build(builder, "tests.nope")
+
+
+def test_unknown_task_accepted_when_check_disabled(builder: JobBuilder) -> None:
+    job = build(builder, "elsewhere.task", [1], check_task=False)
+    assert job.task == "elsewhere.task"
+
+
+def test_task_registered_after_builder_creation_is_known(app: Celery) -> None:
+    builder = JobBuilder(app, Settings())
+
+    @app.task(name="tests.late")
+    def late() -> None:
+        return None
+
+    assert build(builder, "tests.late").task == "tests.late"
+
+
+@pytest.mark.parametrize("name", ["", None, 42])
+def test_task_name_must_be_a_non_empty_string(builder: JobBuilder, name: Any) -> None:
+    with pytest.raises(UnknownTask, match="non-empty string"):
+        build(builder, name, check_task=False)
+
+
+# -- arguments ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", ["abc", 5, {"a": 1}, {1, 2}])
+def test_args_must_be_list_or_tuple(builder: JobBuilder, args: Any) -> None:
+    with pytest.raises(
+        InvalidArguments, match=r"args of task 'tests\.add' must be a list or tuple"
+    ):
+        build(builder, "tests.add", args)
+
+
+@pytest.mark.parametrize("kwargs", [[("a", 1)], "a=1", 3])
+def test_kwargs_must_be_a_mapping(builder: JobBuilder, kwargs: Any) -> None:
+    with pytest.raises(InvalidArguments, match="must be a mapping"):
+        build(builder, "tests.add", (), kwargs)
+
+
+def test_kwargs_keys_must_be_strings(builder: JobBuilder) -> None:
+    with pytest.raises(InvalidArguments, match="string keys"):
+        build(builder, "tests.add", (), {1: "x"})
+
+
+def test_unserializable_args_name_task_and_reason(builder: JobBuilder) -> None:
+    with pytest.raises(InvalidArguments) as info:
+        build(builder, "tests.add", (object(),))
+    message = str(info.value)
+    assert "'tests.add'" in message
+    assert "'json'" in message
+    assert "not JSON serializable" in message
+
+
+def test_payload_too_large_reports_sizes(app: Celery) -> None:
+    builder = JobBuilder(app, Settings(max_payload_bytes=100))
+    with pytest.raises(PayloadTooLarge) as info:
+        build(builder, "tests.add", ("x" * 200,))
+    size = len(expected_body(("x" * 200,), {}))
+    assert f"{size} bytes" in str(info.value)
+    assert "100 bytes" in str(info.value)
+    # Exactly at the limit is fine.
+    small = JobBuilder(app, Settings(max_payload_bytes=len(expected_body((1,), {}))))
+    assert build(small, "tests.add", (1,)).body == expected_body((1,), {})
+
+
+def test_payload_too_large_on_generic_path(app: Celery) -> None:
+    builder = JobBuilder(app, Settings(max_payload_bytes=100))
+    with pytest.raises(PayloadTooLarge):
+        build(builder, "tests.add", ([list(range(100))],))
+
+
+def test_body_is_protocol2_and_decodes(builder: JobBuilder) -> None:
+    job = build(builder, "tests.add", [1, "two"], {"y": 3.5, "z": None})
+    assert job.content_type == "application/json"
+    assert job.content_encoding == "utf-8"
+    assert isinstance(job.body, bytes)
+    assert loads(job.body, job.content_type, job.content_encoding, accept=None) == [
+        [1, "two"],
+        {"y": 3.5, "z": None},
+        EMBED,
+    ]
+    assert job.body == expected_body([1, "two"], {"y": 3.5, "z": None})
+
+
+def test_nested_and_rich_arguments_use_kombu_encoder(builder: JobBuilder) -> None:
+    args = ([1, {"a": [2, 3]}], uuid.UUID(int=7), dt.datetime(2024, 1, 1, tzinfo=UTC))
+    kwargs = {"n": float("nan"), "when": dt.date(2024, 2, 29)}
+    job = build(builder, "tests.add", args, kwargs)
+    assert job.body == expected_body(args, kwargs)
+    assert job.argsrepr == saferepr(args, 1024, maxlevels=3)
+    assert job.kwargsrepr == saferepr(kwargs, 1024, maxlevels=3)
+
+
+def test_pickle_serializer_is_used_when_configured() -> None:
+    app = make_app(task_serializer="pickle", accept_content=["pickle", "json"])
+    builder = JobBuilder(app, Settings())
+    job = build(builder, "tests.add", (1, b"raw"), {"s": {1, 2}})
+    assert job.content_type == "application/x-python-serialize"
+    assert job.content_encoding == "binary"
+    assert job.body == expected_body((1, b"raw"), {"s": {1, 2}}, "pickle")
+    assert job.argsrepr == saferepr((1, b"raw"), 1024, maxlevels=3)
+
+
+def test_reprs_truncate_like_celery(app: Celery) -> None:
+    app.amqp.argsrepr_maxsize = 20
+    app.amqp.kwargsrepr_maxsize = 15
+    builder = JobBuilder(app, Settings())
+    args = ("a" * 50, 1, 2)
+    kwargs = {"long": "b" * 40}
+    job = build(builder, "tests.add", args, kwargs)
+    assert job.argsrepr == saferepr(args, 20, maxlevels=3)
+    assert job.kwargsrepr == saferepr(kwargs, 15, maxlevels=3)
+    assert len(job.argsrepr) < 40
+
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=30),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    args=st.one_of(st.lists(scalars, max_size=6), st.lists(scalars, max_size=6).map(tuple)),
+    kwargs=st.dictionaries(st.text(max_size=10), scalars, max_size=5),
+    maxsize=st.sampled_from([8, 30, 64, 1024]),
+)
+def test_fast_path_matches_kombu_and_saferepr(
+    args: Any, kwargs: dict[str, Any], maxsize: int
+) -> None:
+    app = make_app()
+    app.amqp.argsrepr_maxsize = maxsize
+    app.amqp.kwargsrepr_maxsize = maxsize
+    builder = JobBuilder(app, Settings())
+    job = build(builder, "tests.add", args, kwargs)
+    assert job.body == expected_body(args, kwargs)
+    # Celery's repr, with NUL escaped because PostgreSQL text cannot hold it.
+    assert job.argsrepr == saferepr(args, maxsize, maxlevels=3).replace("\x00", "\\x00")
+    assert job.kwargsrepr == saferepr(kwargs, maxsize, maxlevels=3).replace("\x00", "\\x00")
+
+
+def test_reprs_are_storable_text(builder: JobBuilder) -> None:
+    job = build(builder, "tests.add", ("a\x00b", "\udc80"), {"k": "\x00"})
+    assert "\x00" not in job.argsrepr + job.kwargsrepr
+    job.argsrepr.encode("utf-8")
+    assert job.argsrepr == "('a\\x00b', '\\udc80')"
+    assert job.kwargsrepr == "{'k': '\\x00'}"
+    # The body keeps the exact values.
+    assert loads(job.body, job.content_type, job.content_encoding, accept=None)[:2] == [
+        ["a\x00b", "\udc80"],
+        {"k": "\x00"},
+    ]
+    nested = build(builder, "tests.add", ([["\x00"]],))
+    assert "\x00" not in nested.argsrepr
+
+
+@pytest.mark.parametrize("key", ["a\x00b", "\ud800"])
+def test_keys_postgres_cannot_store_are_refused(builder: JobBuilder, key: str) -> None:
+    with pytest.raises(InvalidJob, match="job key"):
+        build(builder, "tests.add", key=key)
+
+
+def test_task_names_postgres_cannot_store_are_refused(builder: JobBuilder) -> None:
+    with pytest.raises(InvalidJob, match="task name"):
+        build(builder, "tests.a\x00", check_task=False)
+
+
+def test_unknown_app_timezone_is_reported() -> None:
+    app = make_app()
+    app.conf.update(timezone="Mars/Olympus_Mons")
+    with pytest.raises(UnknownTimezone, match="Mars/Olympus_Mons"):
+        JobBuilder(app, Settings())
+
+
+# -- due time --------------------------------------------------------------------
+
+
+def test_eta_and_countdown_together_are_refused(builder: JobBuilder) -> None:
+    with pytest.raises(InvalidTime, match="not both"):
+        build(builder, "tests.add", eta=NOW, countdown=5)
+
+
+def test_no_due_time_means_now_from_the_given_clock(builder: JobBuilder) -> None:
+    assert build(builder, "tests.add").due_at == NOW
+
+
+def test_countdown_adds_to_the_clock(builder: JobBuilder) -> None:
+    assert build(builder, "tests.add", countdown=90).due_at == NOW + dt.timedelta(seconds=90)
+    assert build(builder, "tests.add", countdown=0.5).due_at == NOW + dt.timedelta(seconds=0.5)
+    assert build(builder, "tests.add", countdown=0).due_at == NOW
+
+
+def test_clock_is_not_read_when_eta_is_given(builder: JobBuilder) -> None:
+    def no_clock() -> dt.datetime:
+        raise AssertionError("clock read")
+
+    assert build(builder, "tests.add", eta=NOW, now=no_clock).due_at == NOW
+
+
+@pytest.mark.parametrize("countdown", [-1, -0.001, math.nan, math.inf, True, "10", [1]])
+def test_bad_countdowns(builder: JobBuilder, countdown: Any) -> None:
+    with pytest.raises(InvalidTime, match="countdown"):
+        build(builder, "tests.add", countdown=countdown)
+
+
+def test_aware_eta_is_converted_to_utc(builder: JobBuilder) -> None:
+    tokyo = dt.timezone(dt.timedelta(hours=9))
+    job = build(builder, "tests.add", eta=dt.datetime(2024, 6, 1, 21, 0, tzinfo=tokyo))
+    assert job.due_at == NOW
+    assert job.due_at.utcoffset() == dt.timedelta(0)
+
+
+def test_naive_eta_is_read_in_the_app_timezone(builder: JobBuilder) -> None:
+    # New York is UTC-4 in summer, UTC-5 in winter.
+    assert build(builder, "tests.add", eta=dt.datetime(2024, 6, 1, 8, 0)).due_at == NOW
+    winter = build(builder, "tests.add", eta=dt.datetime(2024, 1, 15, 7, 0)).due_at
+    assert winter == dt.datetime(2024, 1, 15, 12, 0, tzinfo=UTC)
+
+
+def test_naive_eta_in_utc_app() -> None:
+    app = Celery("utc", set_as_current=False)
+    builder = JobBuilder(app, Settings())
+    job = builder.build("x", eta=dt.datetime(2024, 6, 1, 12, 0), check_task=False, now=fixed_now)
+    assert job.due_at == NOW
+
+
+def test_eta_in_dst_gap_is_refused(builder: JobBuilder) -> None:
+    with pytest.raises(NonExistentTime):
+        build(builder, "tests.add", eta=dt.datetime(2024, 3, 10, 2, 30))
+
+
+def test_eta_in_dst_overlap_is_refused(builder: JobBuilder) -> None:
+    with pytest.raises(AmbiguousTime):
+        build(builder, "tests.add", eta=dt.datetime(2024, 11, 3, 1, 30))
+
+
+def test_eta_as_iso_string(builder: JobBuilder) -> None:
+    assert build(builder, "tests.add", eta="2024-06-01T12:00:00+00:00").due_at == NOW
+    with pytest.raises(InvalidTime, match="ISO 8601"):
+        build(builder, "tests.add", eta="tomorrow")
+
+
+@pytest.mark.parametrize("eta", [dt.date(2024, 6, 1), 1717243200, 12.5])
+def test_eta_must_be_a_datetime(builder: JobBuilder, eta: Any) -> None:
+    with pytest.raises(InvalidTime, match="eta must be a datetime"):
+        build(builder, "tests.add", eta=eta)
+
+
+# -- options ---------------------------------------------------------------------
+
+
+def test_unknown_options_are_listed(builder: JobBuilder) -> None:
+    with pytest.raises(UnknownOption) as info:
+        build(builder, "tests.add", options={"queue": "q", "retry": True, "link": "x"})
+    assert "link, retry" in str(info.value)
+    assert "queue," not in str(info.value).split(";")[0]
+
+
+def test_message_options_are_kept(builder: JobBuilder) -> None:
+    options = {
+        "queue": "fast",
+        "exchange": "",
+        "routing_key": "fast.rk",
+        "priority": 9,
+        "headers": {"tenant": "a"},
+        "time_limit": 30,
+        "soft_time_limit": 20.5,
+        "ignore_result": True,
+    }
+    job = build(builder, "tests.add", options=options)
+    assert dict(job.options) == {**options, "time_limit": 30.0}
+
+
+def test_none_valued_options_are_ignored(builder: JobBuilder) -> None:
+    job = build(builder, "tests.add", options={"queue": None, "expires": None, "max_runtime": None})
+    assert dict(job.options) == {}
+    assert job.expires_at is None
+    assert job.max_runtime is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("priority", 256),
+        ("priority", -1),
+        ("priority", True),
+        ("priority", 1.0),
+        ("queue", ""),
+        ("queue", 5),
+        ("routing_key", 2),
+        ("headers", {"x": object()}),
+        ("headers", {1: "a"}),
+        ("headers", ["a"]),
+        ("headers", {"x": "nul\x00"}),
+        ("queue", "q\x00"),
+        ("time_limit", 0),
+        ("soft_time_limit", -5),
+        ("time_limit", math.inf),
+        ("ignore_result", "yes"),
+        ("max_attempts", 0),
+        ("max_attempts", 2.0),
+        ("visibility_timeout", 0),
+        ("visibility_timeout", "30"),
+        ("max_runtime", -1),
+        ("max_runtime", math.nan),
+    ],
+)
+def test_bad_option_values(builder: JobBuilder, name: str, value: Any) -> None:
+    with pytest.raises(InvalidJob, match=name):
+        build(builder, "tests.add", options={name: value})
+
+
+def test_job_options_shape_the_row(builder: JobBuilder) -> None:
+    job = build(
+        builder,
+        "tests.add",
+        options={"max_attempts": 2, "visibility_timeout": 45, "max_runtime": 600},
+    )
+    assert (job.max_attempts, job.visibility_timeout, job.max_runtime) == (2, 45.0, 600.0)
+    assert dict(job.options) == {}
+
+
+def test_default_max_attempts_comes_from_settings(app: Celery) -> None:
+    builder = JobBuilder(app, Settings(max_attempts=9))
+    assert build(builder, "tests.add").max_attempts == 9
+    assert build(builder, "tests.add", options={"queue": "q"}).max_attempts == 9
+
+
+def test_expires_in_seconds_counts_from_the_due_time(builder: JobBuilder) -> None:
+    job = build(builder, "tests.add", countdown=60, options={"expires": 30})
+    assert job.expires_at == NOW + dt.timedelta(seconds=90)
+
+
+def test_expires_as_datetime(builder: JobBuilder) -> None:
+    aware = build(builder, "tests.add", options={"expires": NOW + dt.timedelta(hours=1)})
+    assert aware.expires_at == NOW + dt.timedelta(hours=1)
+    naive = build(builder, "tests.add", options={"expires": dt.datetime(2024, 6, 1, 9, 0)})
+    assert naive.expires_at == NOW + dt.timedelta(hours=1)  # 09:00 New York = 13:00Z
+
+
+@pytest.mark.parametrize(
+    "expires", [0, -5, math.nan, NOW, NOW - dt.timedelta(seconds=1), True, "soon"]
+)
+def test_expires_at_or_before_due_is_refused(builder: JobBuilder, expires: Any) -> None:
+    with pytest.raises(InvalidTime, match="expires"):
+        build(builder, "tests.add", options={"expires": expires})
+
+
+# -- key, id, shard --------------------------------------------------------------
+
+
+def test_generated_key_is_the_job_id(builder: JobBuilder) -> None:
+    job = build(builder, "tests.add")
+    assert job.key == str(job.id)
+    assert job.id.version == 4
+
+
+def test_ids_are_unique_random_uuid4(builder: JobBuilder) -> None:
+    ids = [build(builder, "tests.add").id for _ in range(5000)]
+    assert len(set(ids)) == 5000
+    assert all(i.version == 4 and i.variant == uuid.RFC_4122 for i in ids)
+    # Built objects behave like ordinary UUIDs.
+    assert uuid.UUID(str(ids[0])) == ids[0]
+    assert hash(uuid.UUID(str(ids[0]))) == hash(ids[0])
+
+
+def test_given_key_is_kept(builder: JobBuilder) -> None:
+    job = build(builder, "tests.add", key="report:2024-06")
+    assert job.key == "report:2024-06"
+    assert build(builder, "tests.add", key="k" * MAX_KEY_LENGTH).key == "k" * MAX_KEY_LENGTH
+
+
+@pytest.mark.parametrize("key", ["", "k" * (MAX_KEY_LENGTH + 1), 5, b"bytes"])
+def test_bad_keys(builder: JobBuilder, key: Any) -> None:
+    with pytest.raises(InvalidJob, match="key"):
+        build(builder, "tests.add", key=key)
+
+
+def test_shard_is_crc32_of_key(app: Celery) -> None:
+    builder = JobBuilder(app, Settings(shards=7))
+    for key in ["a", "b", "report:2024", "ünïcode"]:
+        job = build(builder, "tests.add", key=key)
+        assert job.shard == zlib.crc32(key.encode()) % 7
+        assert builder.shard_of(key) == job.shard
+    shards = {build(builder, "tests.add").shard for _ in range(300)}
+    assert shards == set(range(7))
+
+
+def test_single_shard_is_zero(builder: JobBuilder) -> None:
+    assert {build(builder, "tests.add").shard for _ in range(50)} == {0}
