@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up a checkout: .venv with the package (editable) and its test, lint and
+# bench extras, then the local services. Idempotent; a re-run skips pip unless
+# pyproject.toml changed or the package no longer imports.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+log() { printf 'bootstrap.sh: %s\n' "$*" >&2; }
+
+PYTHON="${PYTHON:-python3}"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.celery_sched-installed"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        log "ERROR: celery_sched needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>&1)"
+        log "set PYTHON=/path/to/python3.11 and re-run"
+        exit 1
+    fi
+    log "creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+# The stamp records which pyproject.toml the venv was installed from, so a
+# dependency change re-installs and an unchanged checkout costs nothing.
+wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]] ||
+    ! "$VENV/bin/python" -c 'import celery_sched' 2>/dev/null; then
+    log "installing celery_sched[test,lint,bench] into $VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        -e '.[test,lint,bench]'
+    printf '%s\n' "$wanted" >"$STAMP"
+fi
+
+bash "$ROOT/scripts/services.sh"

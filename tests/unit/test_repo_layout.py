@@ -1,0 +1,108 @@
+"""The repository's own furniture: compose file, README, scripts, example app."""
+
+from __future__ import annotations
+
+import ast
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CELERY_SERVICES = ("migrate", "worker", "beat", "flower")
+
+
+def _compose() -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_compose_has_every_service() -> None:
+    services = _compose()["services"]
+    assert set(services) == {"postgres", "redis", "rabbitmq", *CELERY_SERVICES}
+    assert services["postgres"]["image"] == "postgres:15"
+    assert services["redis"]["image"] == "redis:7"
+    assert services["rabbitmq"]["image"] == "rabbitmq:3-management"
+    for name in ("postgres", "redis", "rabbitmq"):
+        assert services[name]["healthcheck"]["test"], name
+
+
+def test_compose_runs_two_beats_after_migration() -> None:
+    services = _compose()["services"]
+    beat = services["beat"]
+    assert beat["deploy"]["replicas"] == 2
+    assert beat["command"][:6] == ["celery", "-A", "proj", "beat", "-S", "celery_sched"]
+    assert services["migrate"]["command"] == ["celery", "-A", "proj", "sched", "migrate"]
+    assert services["migrate"]["restart"] == "no"
+    for name in ("worker", "beat"):
+        needs = services[name]["depends_on"]
+        assert needs["migrate"]["condition"] == "service_completed_successfully", name
+        for backing in ("postgres", "redis", "rabbitmq"):
+            assert needs[backing]["condition"] == "service_healthy", (name, backing)
+
+
+def test_compose_configures_every_celery_service() -> None:
+    services = _compose()["services"]
+    for name in CELERY_SERVICES:
+        env = services[name]["environment"]
+        assert env["CELERY_SCHED_DATABASE_URL"].startswith("postgresql+psycopg://"), name
+        assert env["CELERY_SCHED_REDIS_URL"].startswith("redis://redis:"), name
+        assert env["CELERY_BROKER_URL"].startswith("amqp://"), name
+
+
+def test_readme_opens_with_the_two_setup_commands() -> None:
+    lines = _readme().splitlines()
+    assert lines[0] == "# celery_sched"
+    first_section = next(i for i, line in enumerate(lines) if line.startswith("## "))
+    intro = "\n".join(lines[:first_section])
+    assert "\n./scripts/example.sh " in intro
+    assert "\n./scripts/test.sh " in intro
+
+
+def test_readme_configuration_table_matches_settings() -> None:
+    script = runpy.run_path(str(ROOT / "scripts" / "settings_table.py"))
+    table = script["render_table"]()
+    assert table in _readme(), "re-run scripts/settings_table.py and paste it into README.md"
+
+
+def test_readme_names_every_exception() -> None:
+    tree = ast.parse((ROOT / "celery_sched" / "errors.py").read_text())
+    classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert "CelerySchedError" in classes
+    readme = _readme()
+    missing = [name for name in classes if f"`{name}`" not in readme]
+    assert not missing, f"README's error reference lacks {missing}"
+
+
+def test_scripts_are_executable_bash() -> None:
+    for path in [ROOT / ".ci" / "run", *sorted((ROOT / "scripts").glob("*.sh"))]:
+        assert os.access(path, os.X_OK), f"{path} is not executable"
+        assert path.read_text().startswith("#!/usr/bin/env bash\n"), path
+
+
+def test_example_project_is_found_by_celery() -> None:
+    # A subprocess, so importing `proj` cannot leak into other tests.
+    code = (
+        "from celery.app.utils import find_app\n"
+        "app = find_app('proj')\n"
+        "app.loader.import_default_modules()\n"
+        "print(app.main, sorted(name for name in app.tasks if name.startswith('proj.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT / "examples",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.strip() == "proj ['proj.tasks.send_reminder']"
