@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
-from celery_sched.errors import InvalidJob
+from celery_sched.errors import CelerySchedError, InvalidJob
 from celery_sched.interfaces import JobStore, Staging
 from celery_sched.models import Job, JobStatus, NewJob
 from celery_sched.settings import Settings
@@ -31,9 +32,11 @@ _ROW_FIELDS = frozenset(
 class Client:
     """Schedules one-off jobs into the celery_sched job store.
 
-    ``staging`` is reserved for staging a job due within the staging window
-    right after it is inserted (see :meth:`_after_insert`); until that lands,
-    the leader's stager picks every job up from PostgreSQL.
+    Jobs due within the staging window are also added to the Redis staging
+    set right after they commit, so the leader fires them on time without
+    waiting for its next pass over Postgres. That copy is best effort: if
+    Redis is down the leader's sweep finds the job in Postgres a few seconds
+    later. Pass ``staging=False`` to never touch Redis from this client.
     """
 
     def __init__(
@@ -42,13 +45,14 @@ class Client:
         *,
         settings: Settings | None = None,
         store: JobStore | None = None,
-        staging: Staging | None = None,
+        staging: Staging | Literal[False] | None = None,
     ) -> None:
         self.app = app
         self.settings = settings if settings is not None else Settings.from_app(app)
         self._store = store
         self._owns_store = store is None
-        self._staging = staging
+        self._staging: Staging | None = staging or None
+        self._stage_new_jobs = staging is not False
         self._builder: JobBuilder | None = None
 
     # -- lifecycle ----------------------------------------------------------
@@ -130,8 +134,8 @@ class Client:
             options=options,
         )
         job = self.store.insert(new, if_exists=if_exists)
-        if job.id == new.id:
-            self._after_insert([job])
+        if job.id == new.id and job.due_at <= self._staging_horizon():
+            self._stage([(job.shard, job.id, job.due_at)])
         logger.debug("scheduled job %s (%s) due %s", job.key, job.task, job.due_at.isoformat())
         return job
 
@@ -144,11 +148,18 @@ class Client:
         are validated while they stream into the store, so an invalid row N
         (reported with its index) or a duplicate key leaves nothing written.
         """
-        count = self.store.insert_many(self._build_rows(rows))
+        near: list[tuple[int, uuid.UUID, dt.datetime]] = []
+        count = self.store.insert_many(self._build_rows(rows, near))
         logger.info("scheduled %d jobs in bulk", count)
+        if near:
+            self._stage(near)
         return count
 
-    def _build_rows(self, rows: Iterable[Mapping[str, Any]]) -> Iterator[NewJob]:
+    def _build_rows(
+        self,
+        rows: Iterable[Mapping[str, Any]],
+        near: list[tuple[int, uuid.UUID, dt.datetime]],
+    ) -> Iterator[NewJob]:
         build_row = self.builder.build_row
         now_cache: list[dt.datetime] = []
 
@@ -160,6 +171,7 @@ class Client:
             return now_cache[0]
 
         fields = _ROW_FIELDS
+        horizon = self._staging_horizon()
         for index, row in enumerate(rows):
             try:
                 if type(row) is not dict and not isinstance(row, Mapping):
@@ -169,17 +181,35 @@ class Client:
                 # Same class, so callers catch what schedule() raises; the
                 # row index tells them which input to fix.
                 raise type(exc)(f"row {index}: {exc}") from exc
+            if job.due_at <= horizon:
+                near.append((job.shard, job.id, job.due_at))
             yield job
 
-    def _after_insert(self, jobs: list[Job]) -> None:
-        """Hook for staging jobs due within the staging window right away.
+    def _staging_horizon(self) -> dt.datetime:
+        # The local clock is good enough here: staging is only a copy, and
+        # a job staged early or late is still claimed by Postgres' clock.
+        if not self._stage_new_jobs:
+            return dt.datetime.min.replace(tzinfo=dt.UTC)
+        return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.settings.staging_window)
 
-        Not implemented yet: with ``staging`` set, a later change will add
-        jobs due before ``now + settings.staging_window`` to the Redis set so
-        they fire without waiting for the leader's next stager pass.
-        """
-        if self._staging is None:
-            return
+    def _stage(self, items: list[tuple[int, uuid.UUID, dt.datetime]]) -> None:
+        """Copy committed jobs due soon into the staging set (best effort)."""
+        try:
+            if self._staging is None:
+                from celery_sched.backends import build_staging
+
+                self._staging = build_staging(self.settings)
+            by_shard: dict[int, list[tuple[uuid.UUID, dt.datetime]]] = {}
+            for shard, job_id, due_at in items:
+                by_shard.setdefault(shard, []).append((job_id, due_at))
+            for shard, pairs in by_shard.items():
+                self._staging.add(shard, pairs)
+        except CelerySchedError as exc:
+            logger.warning(
+                "could not stage %d new jobs (%s); the leader's sweep will find them",
+                len(items),
+                exc,
+            )
 
     # -- reading and cancelling ---------------------------------------------
 

@@ -17,11 +17,13 @@ from celery_sched.errors import (
     InvalidJob,
     InvalidTime,
     PayloadTooLarge,
+    StagingUnavailable,
     UnknownOption,
     UnknownTask,
 )
 from celery_sched.models import JobStatus
 from celery_sched.settings import Settings
+from celery_sched.staging.memory import MemoryStaging
 from celery_sched.store.memory import MemoryJobStore
 
 UTC = dt.UTC
@@ -61,8 +63,13 @@ def store(clock: Clock) -> MemoryJobStore:
 
 
 @pytest.fixture
-def client(app: Celery, store: MemoryJobStore) -> Client:
-    return Client(app, settings=Settings(max_payload_bytes=1000), store=store)
+def staging() -> MemoryStaging:
+    return MemoryStaging()
+
+
+@pytest.fixture
+def client(app: Celery, store: MemoryJobStore, staging: MemoryStaging) -> Client:
+    return Client(app, settings=Settings(max_payload_bytes=1000), store=store, staging=staging)
 
 
 def nothing_written(store: MemoryJobStore) -> bool:
@@ -255,7 +262,7 @@ def test_schedule_many_empty(client: Client) -> None:
 
 
 def test_injected_store_is_not_closed(app: Celery, store: MemoryJobStore) -> None:
-    with Client(app, settings=Settings(), store=store) as client:
+    with Client(app, settings=Settings(), store=store, staging=False) as client:
         client.schedule("tests.add", (1,), key="x")
     assert store.get("x") is not None
     assert store._closed is False
@@ -271,7 +278,7 @@ def test_store_is_built_lazily_from_settings(app: Celery, monkeypatch: pytest.Mo
 
     monkeypatch.setattr("celery_sched.backends.build_store", fake_build_store)
     settings = Settings(db_schema="lazy")
-    client = Client(app, settings=settings)
+    client = Client(app, settings=settings, staging=False)
     assert built == []
     client.schedule("tests.add", (1,), key="lazy")
     assert built == [settings]
@@ -281,6 +288,59 @@ def test_store_is_built_lazily_from_settings(app: Celery, monkeypatch: pytest.Mo
 
 def test_settings_default_to_the_app_conf(app: Celery) -> None:
     app.conf.celery_sched_max_attempts = 3
-    client = Client(app, store=MemoryJobStore())
+    client = Client(app, store=MemoryJobStore(), staging=False)
     assert client.settings.max_attempts == 3
     assert client.schedule("tests.add").max_attempts == 3
+
+
+# -- staging of jobs due soon ------------------------------------------------------
+
+
+class DownStaging(MemoryStaging):
+    def add(self, shard: int, items: Any) -> int:
+        raise StagingUnavailable("redis is down (test)")
+
+
+def test_a_job_due_within_the_window_is_staged_at_once(
+    client: Client, staging: MemoryStaging
+) -> None:
+    now = dt.datetime.now(dt.UTC)
+    soon = client.schedule("tests.add", (1,), eta=now + dt.timedelta(seconds=5))
+    client.schedule("tests.add", (2,), eta=now + dt.timedelta(hours=2))
+    assert staging.size(0) == 1
+    assert staging.pop_due(0, soon.due_at, 10) == [soon.id]
+
+
+def test_schedule_many_stages_only_the_jobs_due_soon(
+    client: Client, staging: MemoryStaging
+) -> None:
+    now = dt.datetime.now(dt.UTC)
+    rows = [
+        {"task": "tests.add", "args": (i,), "eta": now + dt.timedelta(seconds=i * 20)}
+        for i in range(10)
+    ]
+    assert client.schedule_many(rows) == 10
+    # The default window is 60 s: offsets 0, 20, 40 and 60 s.
+    assert staging.size(0) == 4
+
+
+def test_staging_failure_never_fails_scheduling(
+    app: Celery, store: MemoryJobStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = Client(app, settings=Settings(), store=store, staging=DownStaging())
+    job = client.schedule("tests.add", (1,))
+    assert store.get(job.key) is not None
+    assert "could not stage" in caplog.text
+
+
+def test_staging_false_never_builds_a_redis_client(
+    app: Celery, store: MemoryJobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_redis(settings: Settings) -> None:
+        raise AssertionError("staging must not be built")
+
+    monkeypatch.setattr("celery_sched.backends.build_staging", no_redis)
+    client = Client(app, settings=Settings(), store=store, staging=False)
+    client.schedule("tests.add", (1,))
+    client.schedule_many([{"task": "tests.add"}])
+    assert store.counts_by_status() == {JobStatus.PENDING: 2}
