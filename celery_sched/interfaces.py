@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
-from celery_sched.models import Job, JobStatus, NewJob, ReconcileResult
+from celery_sched.models import Job, JobStatus, NewJob, ReconcileResult, WorkerUpdate
 
 
 class JobStore(abc.ABC):
@@ -175,6 +175,16 @@ class JobStore(abc.ABC):
     @abc.abstractmethod
     def mark_retrying(self, job_id: uuid.UUID, *, error: str | None = None) -> bool:
         """running -> retrying (a Celery retry is on its way)."""
+
+    @abc.abstractmethod
+    def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
+        """Apply workers' status reports in one transaction; return rows changed.
+
+        Equivalent to applying each update in order with :meth:`mark_running`
+        (``running``), :meth:`mark_retrying` (``retrying``) or
+        :meth:`mark_finished` (``succeeded`` / ``failed``): finished jobs are
+        never changed, and timestamps come from the store's clock.
+        """
 
     # -- housekeeping -------------------------------------------------------
 

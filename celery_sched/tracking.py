@@ -7,14 +7,20 @@ They act only on messages that carry celery_sched's headers, so plain Celery
 tasks sent by other means are untouched. This is what keeps the reconciler
 from requeueing work that a worker has taken.
 
-A status write that fails is logged and dropped, never raised into the task:
-the worst outcome is a job that looks untaken and is requeued, which the
-idempotency ledger (``celery_sched.Task``) turns into no second execution.
+Status writes must not throttle workers, so handlers only enqueue: one
+background thread per worker process applies the queued reports in a single
+transaction every ``FLUSH_INTERVAL`` seconds (or as soon as ``FLUSH_SIZE``
+are waiting). A report that cannot be written is logged and dropped, never
+raised into the task: the worst outcome is a job that looks untaken and is
+requeued after its visibility timeout, which the idempotency ledger
+(``celery_sched.Task``) turns into no second execution.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 import uuid
 import weakref
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from celery import signals
 
 from celery_sched.errors import CelerySchedError
-from celery_sched.models import JobStatus
+from celery_sched.models import JobStatus, WorkerUpdate
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import JobStore
@@ -34,7 +40,7 @@ KEY_HEADER = "celery_sched_key"
 
 _stores: weakref.WeakKeyDictionary[Any, JobStore] = weakref.WeakKeyDictionary()
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 def install(app: Any, store: JobStore | None = None) -> None:
@@ -51,6 +57,86 @@ def install(app: Any, store: JobStore | None = None) -> None:
         _installed.add(app)
     signals.task_prerun.connect(_on_prerun, weak=False)
     signals.task_postrun.connect(_on_postrun, weak=False)
+    signals.worker_process_shutdown.connect(flush_all, weak=False)
+    signals.worker_shutdown.connect(flush_all, weak=False)
+    atexit.register(flush_all)
+
+
+#: Longest a status report waits before it is written.
+FLUSH_INTERVAL = 0.05
+#: Reports that trigger an early flush.
+FLUSH_SIZE = 500
+
+
+class StatusWriter:
+    """Batches workers' status reports into one store call per flush.
+
+    Owned by one process: after a fork the child builds its own (the thread
+    does not survive a fork).
+    """
+
+    def __init__(self, store: JobStore, *, interval: float = FLUSH_INTERVAL) -> None:
+        self.store = store
+        self.pid = os.getpid()
+        self._interval = interval
+        self._pending: list[WorkerUpdate] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="celery_sched-status", daemon=True)
+        self._thread.start()
+
+    def report(self, update: WorkerUpdate) -> None:
+        with self._cond:
+            self._pending.append(update)
+            if len(self._pending) >= FLUSH_SIZE:
+                self._cond.notify()
+
+    def flush(self) -> None:
+        """Write everything reported so far (called by the thread and at exit)."""
+        with self._cond:
+            batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            self.store.apply_worker_updates(batch)
+        except CelerySchedError as exc:
+            logger.warning("could not record %d job status reports: %s", len(batch), exc)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._closed and len(self._pending) < FLUSH_SIZE:
+                    self._cond.wait(self._interval)
+                closed = self._closed
+            self.flush()
+            if closed:
+                return
+
+
+_writers: dict[int, StatusWriter] = {}
+
+
+def writer_for(app: Any) -> StatusWriter:
+    """This process's status writer for ``app``, started on first use."""
+    with _lock:
+        writer = _writers.get(id(app))
+        if writer is None or writer.pid != os.getpid():
+            writer = _writers[id(app)] = StatusWriter(store_for(app))
+        return writer
+
+
+def flush_all(**_: Any) -> None:
+    """Write every queued report of this process (worker shutdown, tests)."""
+    for writer in list(_writers.values()):
+        if writer.pid == os.getpid():
+            writer.flush()
 
 
 def store_for(app: Any) -> JobStore:
@@ -68,7 +154,12 @@ def store_for(app: Any) -> JobStore:
 def _job_id(task: Any, task_id: str | None) -> uuid.UUID | None:
     if task is None or task_id is None or task.app not in _installed:
         return None
-    if getattr(task.request, KEY_HEADER, None) is None:
+    request = task.request
+    # A worker exposes message headers as request attributes; an eager
+    # apply(headers=...) keeps them in request.headers.
+    if getattr(request, KEY_HEADER, None) is None and KEY_HEADER not in (
+        getattr(request, "headers", None) or {}
+    ):
         return None
     try:
         return uuid.UUID(task_id)
@@ -78,12 +169,19 @@ def _job_id(task: Any, task_id: str | None) -> uuid.UUID | None:
 
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
     job_id = _job_id(task, task_id)
-    if job_id is None:
-        return
-    try:
-        store_for(task.app).mark_running(job_id, worker=str(task.request.hostname or ""))
-    except CelerySchedError as exc:
-        logger.warning("could not mark job %s running: %s", job_id, exc)
+    if job_id is not None:
+        worker = str(task.request.hostname or "")
+        writer_for(task.app).report(
+            WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker=worker)
+        )
+
+
+_POSTRUN_STATUS = {
+    "SUCCESS": JobStatus.SUCCEEDED,
+    "RETRY": JobStatus.RETRYING,
+    "FAILURE": JobStatus.FAILED,
+    "REJECTED": JobStatus.FAILED,
+}
 
 
 def _on_postrun(
@@ -95,18 +193,11 @@ def _on_postrun(
     **_: Any,
 ) -> None:
     job_id = _job_id(task, task_id)
-    if job_id is None:
+    status = _POSTRUN_STATUS.get(state or "")
+    if job_id is None or status is None:
         return
-    store = store_for(task.app)
-    try:
-        if state == "SUCCESS":
-            store.mark_finished(job_id, JobStatus.SUCCEEDED)
-        elif state == "RETRY":
-            store.mark_retrying(job_id, error=_describe(retval))
-        elif state in ("FAILURE", "REJECTED"):
-            store.mark_finished(job_id, JobStatus.FAILED, error=_describe(retval))
-    except CelerySchedError as exc:
-        logger.warning("could not record %s for job %s: %s", state, job_id, exc)
+    error = None if status == JobStatus.SUCCEEDED else _describe(retval)
+    writer_for(task.app).report(WorkerUpdate(job_id=job_id, status=status, error=error))
 
 
 def _describe(value: Any) -> str | None:

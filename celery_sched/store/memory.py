@@ -17,7 +17,14 @@ from typing import Any, Literal
 
 from celery_sched.errors import DuplicateJob, StaleEpoch
 from celery_sched.interfaces import JobStore
-from celery_sched.models import FINISHED_STATUSES, Job, JobStatus, NewJob, ReconcileResult
+from celery_sched.models import (
+    FINISHED_STATUSES,
+    Job,
+    JobStatus,
+    NewJob,
+    ReconcileResult,
+    WorkerUpdate,
+)
 from celery_sched.timeutil import UTC, ensure_utc, to_bucket
 
 _CLAIMABLE_BY_WORKER = frozenset({JobStatus.DISPATCHED, JobStatus.RETRYING, JobStatus.PENDING})
@@ -357,6 +364,19 @@ class MemoryJobStore(JobStore):
                 return False
             self._update(job, status=JobStatus.RETRYING, last_error=error)
             return True
+
+    def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
+        changed = 0
+        with self._lock:  # one lock stands in for the one transaction
+            for update in updates:
+                if update.status == JobStatus.RUNNING:
+                    done = self.mark_running(update.job_id, worker=update.worker or "")
+                elif update.status == JobStatus.RETRYING:
+                    done = self.mark_retrying(update.job_id, error=update.error)
+                else:
+                    done = self.mark_finished(update.job_id, update.status, error=update.error)
+                changed += done
+        return changed
 
     # -- housekeeping -------------------------------------------------------
 

@@ -24,7 +24,7 @@ def e2e_settings(settings: Settings) -> Settings:
         settings,
         lease_ttl=2.0,
         lease_safety_margin=0.3,
-        visibility_timeout=30.0,
+        visibility_timeout=120.0,
         sweep_interval=1.0,
         reconcile_interval=1.0,
         staging_window=20.0,

@@ -21,7 +21,7 @@ def test_kill_9_of_leader_mid_batch_standby_takes_over_and_every_job_runs(
 ) -> None:
     # A short visibility timeout lets the reconciler requeue the batch the
     # dead leader had claimed but not published, within the test.
-    settings = dataclasses.replace(e2e_settings, visibility_timeout=4.0)
+    settings = dataclasses.replace(e2e_settings, visibility_timeout=6.0)
     cluster = make_cluster(redis_url, settings)
     cluster.start_worker(concurrency=8)
     cluster.start_beat("beat1")
