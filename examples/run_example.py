@@ -1,19 +1,30 @@
-"""Schedule 100,000 jobs over the next 24 hours and show how they are stored.
+"""celery_sched end to end: schedule jobs, run two beats and a worker, watch them run.
 
 Run it with ``./scripts/example.sh``, or ``python examples/run_example.py``
-once PostgreSQL is up. It works in its own schema, ``celery_sched_example``,
-which it drops at the start so that every run begins from nothing.
+once PostgreSQL, Redis and RabbitMQ are up. It works in its own schema,
+``celery_sched_example``, which it drops at the start so that every run
+begins from nothing. Two parts:
 
-Nothing here needs a worker or a beat process: jobs wait in PostgreSQL until
-``celery -A proj beat -S celery_sched`` dispatches them when they fall due.
+1. Schedule 100,000 reminders over the next 24 hours in one bulk call and
+   show how they are stored (counts per status and per hour).
+2. Start two ``celery -A proj beat -S celery_sched`` processes (one becomes
+   the leader, the other waits as a standby) and one ``celery -A proj worker``,
+   schedule a few thousand jobs due over the next seconds, and print the
+   counts per status until every one of them has run. Everything started
+   here is stopped before the script exits.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -21,12 +32,15 @@ from proj.celery_app import app
 from proj.tasks import send_reminder
 from psycopg import sql
 
-from celery_sched import Client
+from celery_sched import Client, JobStatus
 from celery_sched.settings import Settings
 
 SCHEMA = "celery_sched_example"
 JOB_COUNT = 100_000
 HORIZON = dt.timedelta(hours=24)
+SOON_COUNT = 3_000
+SOON_SPREAD = 10.0  # seconds over which the "soon" jobs fall due
+EXAMPLES = Path(__file__).resolve().parent
 
 
 def drop_schema() -> None:
@@ -84,6 +98,64 @@ def main() -> None:
         print("\njobs per hour (UTC):")
         for hour, count in sorted(client.counts_by_hour().items()):
             print(f"  {hour:%Y-%m-%d %H:00}  {count:>6,}")
+
+        run_beats_and_worker(client)
+
+
+def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+    """Start ``celery -A proj ARGS`` with this example's settings."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(EXAMPLES),
+        "CELERY_SCHED_DB_SCHEMA": SCHEMA,
+        "CELERY_SCHED_KEY_PREFIX": SCHEMA,
+    }
+    log = (EXAMPLES / f".{name}.log").open("wb")
+    celery = str(Path(sys.executable).with_name("celery"))
+    print(f"  started {name}: celery -A proj {' '.join(args)}  (log: examples/.{name}.log)")
+    return subprocess.Popen(
+        [celery, "-A", "proj", *args], cwd=EXAMPLES, env=env, stdout=log, stderr=log
+    )
+
+
+def run_beats_and_worker(client: Client) -> None:
+    print(f"\nstarting two beats and a worker, then scheduling {SOON_COUNT:,} jobs:")
+    procs = [
+        start("worker", "worker", "--pool=threads", "--concurrency=8", "--loglevel=INFO"),
+        start("beat-1", "beat", "-S", "celery_sched", "--loglevel=INFO", "-s", "/dev/null"),
+        start("beat-2", "beat", "-S", "celery_sched", "--loglevel=INFO", "-s", "/dev/null"),
+    ]
+    try:
+        start_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
+        client.schedule_many(
+            {
+                "task": send_reminder.name,
+                "args": (user_id, "your order has shipped"),
+                "eta": start_at + dt.timedelta(seconds=SOON_SPREAD * i / SOON_COUNT),
+                "key": f"shipped:{user_id}",
+            }
+            for i, user_id in enumerate(range(SOON_COUNT))
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            time.sleep(2)
+            counts = client.counts_by_status()
+            shown = ", ".join(f"{status} {n:,}" for status, n in sorted(counts.items()))
+            print(f"  {shown}")
+            if counts.get(JobStatus.SUCCEEDED, 0) >= SOON_COUNT:
+                print(f"every one of the {SOON_COUNT:,} jobs ran; the rest wait for tomorrow.")
+                break
+        else:
+            raise SystemExit("the jobs did not all run within 3 minutes; see examples/.*.log")
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        print("stopped the beats and the worker.")
 
 
 if __name__ == "__main__":
