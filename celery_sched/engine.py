@@ -204,11 +204,13 @@ class Engine:
         store_now = self._measure_offset()
         horizon = store_now + dt.timedelta(seconds=self.settings.staging_window)
         limit = max(self.settings.batch_size * 50, 10_000)
+        # Only the future is staged: anything already due belongs to the
+        # sweep, which claims it from Postgres in bulk.
         items = self.store.due_soon(
             shard=self.shard,
             within=self.settings.staging_window,
             limit=limit,
-            after=self._staged_until,
+            after=self._staged_until or store_now,
         )
         try:
             if items:
