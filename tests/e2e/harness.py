@@ -136,7 +136,10 @@ class Cluster:
             env,
         )
 
-    def start_worker(self, name: str = "worker", concurrency: int = 8, **env: str) -> Proc:
+    def start_worker(
+        self, name: str = "worker", concurrency: int = 8, *, embedded_beat: bool = False, **env: str
+    ) -> Proc:
+        beat = ["-B", "--scheduler", "celery_sched", "-s", str(self.tmp_path / "embedded")]
         return self._spawn(
             name,
             [
@@ -154,6 +157,7 @@ class Cluster:
                 "--without-gossip",
                 "--without-mingle",
                 "--loglevel=INFO",
+                *(beat if embedded_beat else []),
             ],
             env,
         )

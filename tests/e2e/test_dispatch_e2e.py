@@ -74,3 +74,15 @@ def test_two_beats_elect_one_leader_and_publish_each_job_once(
     assert len(leading) == 1, [p.name for p in leading]
     epochs = {row[0] for row in cluster.query("SELECT DISTINCT leader_epoch FROM {s}.jobs")}
     assert epochs == {epoch}
+
+
+def test_beat_embedded_in_a_worker_dispatches_jobs(
+    redis_url: str, make_cluster: Any, e2e_settings: Any
+) -> None:
+    cluster = make_cluster(redis_url)
+    cluster.start_worker(embedded_beat=True)
+    wait_for(cluster.leader, timeout=30, what="the embedded beat to lead")
+    jobs = spread_jobs(200, time.time() + 1, 2, tag="embedded")
+    client_for(e2e_settings).schedule_many(jobs)
+    wait_for(lambda: cluster.run_count() >= 200, timeout=60, what="200 executions")
+    _assert_exactly_once(cluster, {job["key"] for job in jobs})
