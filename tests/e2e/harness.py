@@ -156,7 +156,7 @@ class Cluster:
                 "--without-heartbeat",
                 "--without-gossip",
                 "--without-mingle",
-                "--loglevel=INFO",
+                "--loglevel=WARNING",
                 *(beat if embedded_beat else []),
             ],
             env,
