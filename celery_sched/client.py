@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from celery_sched.errors import CelerySchedError, InvalidJob
 from celery_sched.interfaces import JobStore, Staging
-from celery_sched.models import Job, JobStatus, NewJob
+from celery_sched.models import Job, JobStatus, NewJobRow
 from celery_sched.settings import Settings
 from celery_sched.validation import JobBuilder
 
@@ -149,7 +149,7 @@ class Client:
         (reported with its index) or a duplicate key leaves nothing written.
         """
         near: list[tuple[int, uuid.UUID, dt.datetime]] = []
-        count = self.store.insert_many(self._build_rows(rows, near))
+        count = self.store.insert_rows(self._build_rows(rows, near))
         logger.info("scheduled %d jobs in bulk", count)
         if near:
             self._stage(near)
@@ -159,7 +159,7 @@ class Client:
         self,
         rows: Iterable[Mapping[str, Any]],
         near: list[tuple[int, uuid.UUID, dt.datetime]],
-    ) -> Iterator[NewJob]:
+    ) -> Iterator[NewJobRow]:
         build_row = self.builder.build_row
         now_cache: list[dt.datetime] = []
 
@@ -181,8 +181,8 @@ class Client:
                 # Same class, so callers catch what schedule() raises; the
                 # row index tells them which input to fix.
                 raise type(exc)(f"row {index}: {exc}") from exc
-            if job.due_at <= horizon:
-                near.append((job.shard, job.id, job.due_at))
+            if job[9] <= horizon:  # NEW_JOB_ROW: 0 id, 9 due_at, 13 shard
+                near.append((job[13], job[0], job[9]))
             yield job
 
     def _staging_horizon(self) -> dt.datetime:

@@ -16,7 +16,14 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
-from celery_sched.models import Job, JobStatus, NewJob, ReconcileResult, WorkerUpdate
+from celery_sched.models import (
+    Job,
+    JobStatus,
+    NewJob,
+    NewJobRow,
+    ReconcileResult,
+    WorkerUpdate,
+)
 
 
 class JobStore(abc.ABC):
@@ -61,6 +68,12 @@ class JobStore(abc.ABC):
         ``jobs``) raises :class:`~celery_sched.errors.DuplicateJob` and writes
         nothing.
         """
+
+    def insert_rows(self, rows: Iterable[NewJobRow]) -> int:
+        """:meth:`insert_many` for rows already validated into
+        :data:`~celery_sched.models.NEW_JOB_ROW` tuples (the bulk fast path:
+        no :class:`NewJob` per row). Same atomicity and errors."""
+        return self.insert_many(map(NewJob.from_row, rows))
 
     @abc.abstractmethod
     def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:

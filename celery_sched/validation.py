@@ -23,6 +23,7 @@ import zlib
 import zoneinfo
 from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
+from time import time_ns
 from typing import Any
 
 import kombu.serialization
@@ -39,9 +40,9 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
-from celery_sched.models import MESSAGE_OPTIONS, NewJob
+from celery_sched.models import EMPTY_OPTIONS, MESSAGE_OPTIONS, NewJob, NewJobRow
 from celery_sched.settings import Settings
-from celery_sched.timeutil import UTC, resolve_local
+from celery_sched.timeutil import EPOCH, UTC, resolve_local
 
 #: Scheduling options that shape the job row rather than the message.
 JOB_OPTIONS = frozenset({"expires", "max_attempts", "visibility_timeout", "max_runtime"})
@@ -58,6 +59,8 @@ _EMBED_JSON_TAIL = "}, " + json.dumps(_EMBED) + "]"
 _DEFAULT_REPR_MAXLEVELS = 3
 
 Clock = Callable[[], dt.datetime]
+
+_MINUTE = dt.timedelta(minutes=1)
 
 
 class JobBuilder:
@@ -86,7 +89,7 @@ class JobBuilder:
         self._max_payload = settings.max_payload_bytes
         self._max_attempts = settings.max_attempts
         self._shards = settings.shards
-        self._ids = _UUID4Source()
+        self._ids = _UUID7Source()
         self._content_type, self._content_encoding = _codec_of(self._serializer)
         # The flat-scalar fast path reproduces kombu's JSON output exactly;
         # only take it when the app uses kombu's own JSON encoder.
@@ -117,10 +120,15 @@ class JobBuilder:
         ``now`` supplies the store's current time for countdowns and for
         jobs given no due time. Raises an :class:`InvalidJob` subclass.
         """
-        return self._build(task_name, args, kwargs, eta, countdown, key, check_task, now, options)
+        return NewJob.from_row(
+            self._build(task_name, args, kwargs, eta, countdown, key, check_task, now, options)
+        )
 
-    def build_row(self, row: Mapping[str, Any], now: Clock, row_fields: frozenset[str]) -> NewJob:
-        """:meth:`build` from one ``schedule_many`` row.
+    def build_row(
+        self, row: Mapping[str, Any], now: Clock, row_fields: frozenset[str]
+    ) -> NewJobRow:
+        """:meth:`build` from one ``schedule_many`` row, as a :data:`NEW_JOB_ROW`
+        tuple (the bulk path never builds a NewJob).
 
         ``row_fields`` are the keys that are not options; any other key is
         one. Reading the mapping here, not in the caller, saves a keyword
@@ -155,7 +163,7 @@ class JobBuilder:
         check_task: Any,
         now: Clock,
         options: Mapping[str, Any] | None,
-    ) -> NewJob:
+    ) -> NewJobRow:
         if type(task_name) is not str or not task_name:
             raise UnknownTask(f"task name must be a non-empty string, got {task_name!r}")
         if not task_name.isascii() or "\x00" in task_name:
@@ -212,18 +220,26 @@ class JobBuilder:
             return self._with_options(
                 job_id, key, task_name, body, argsrepr, kwargsrepr, due_at, shard, options
             )
-        return NewJob(
-            id=job_id,
-            key=key,
-            task=task_name,
-            body=body,
-            content_type=self._content_type,
-            content_encoding=self._content_encoding,
-            argsrepr=argsrepr,
-            kwargsrepr=kwargsrepr,
-            due_at=due_at,
-            max_attempts=self._max_attempts,
-            shard=shard,
+        # NEW_JOB_ROW order; what NewJob.__post_init__ would check holds by
+        # construction (aware UTC due_at, non-empty key, max_attempts >= 1).
+        return (
+            job_id,
+            key,
+            task_name,
+            body,
+            self._content_type,
+            self._content_encoding,
+            argsrepr,
+            kwargsrepr,
+            EMPTY_OPTIONS,
+            due_at,
+            int((due_at - EPOCH) // _MINUTE),
+            None,
+            self._max_attempts,
+            shard,
+            None,
+            None,
+            None,
         )
 
     def shard_of(self, key: str) -> int:
@@ -359,7 +375,7 @@ class JobBuilder:
         due_at: dt.datetime,
         shard: int,
         options: Mapping[str, Any],
-    ) -> NewJob:
+    ) -> NewJobRow:
         unknown = [name for name in options if name not in ALLOWED_OPTIONS]
         if unknown:
             raise UnknownOption(
@@ -383,24 +399,24 @@ class JobBuilder:
         elif type(max_attempts) is not int or max_attempts < 1:
             raise InvalidJob(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
 
-        return NewJob(
-            id=job_id,
-            key=key,
-            task=task_name,
-            body=body,
-            content_type=self._content_type,
-            content_encoding=self._content_encoding,
-            argsrepr=argsrepr,
-            kwargsrepr=kwargsrepr,
-            due_at=due_at,
-            options=message,
-            expires_at=expires_at,
-            max_attempts=max_attempts,
-            shard=shard,
-            visibility_timeout=_positive_seconds(
-                "visibility_timeout", options.get("visibility_timeout")
-            ),
-            max_runtime=_positive_seconds("max_runtime", options.get("max_runtime")),
+        return (
+            job_id,
+            key,
+            task_name,
+            body,
+            self._content_type,
+            self._content_encoding,
+            argsrepr,
+            kwargsrepr,
+            message or EMPTY_OPTIONS,
+            due_at,
+            int((due_at - EPOCH) // _MINUTE),
+            expires_at,
+            max_attempts,
+            shard,
+            None,
+            _positive_seconds("visibility_timeout", options.get("visibility_timeout")),
+            _positive_seconds("max_runtime", options.get("max_runtime")),
         )
 
     def _expires_at(self, expires: Any, due_at: dt.datetime) -> dt.datetime:
@@ -560,18 +576,28 @@ def _flat_scalars(
 # -- ids -------------------------------------------------------------------------
 
 
-class _UUID4Source:
-    """Random (version 4) UUIDs, drawing OS randomness in blocks.
+class _UUID7Source:
+    """Time-ordered (version 7, RFC 9562) UUIDs, drawing OS randomness in blocks.
 
-    ``uuid.uuid4()`` makes a syscall and runs ``UUID.__init__``'s checks per
-    id, which is a large share of a bulk insert's per-row cost. The bits are
-    the same: 122 random bits from ``os.urandom`` with the version and
-    variant fields set as RFC 4122 requires.
+    The id is the primary key and, for jobs scheduled without a key, the
+    unique ``key`` too. Random (v4) ids scatter every insert over both
+    B-trees, and once those outgrow shared_buffers each row costs page
+    evictions and full-page WAL images: a bulk load ran ~2.4x slower than
+    with ids that grow with time, whose inserts all land at the right edge
+    of the indexes. A v7 id is 48 bits of Unix milliseconds followed by 74
+    random bits, so ids stay unguessable and unique (collisions need the
+    same millisecond and the same 74 random bits). The local clock only
+    orders ids; no decision depends on it.
+
+    ``uuid.uuid4()`` also makes a syscall and runs ``UUID.__init__``'s
+    checks per id, a large share of a bulk insert's per-row cost; drawing
+    randomness in blocks and building the UUID directly avoids both.
     """
 
-    _BLOCK = 16 * 4096
+    _RANDOM_BYTES = 10
+    _BLOCK = _RANDOM_BYTES * 4096
     _CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
-    _SET = (0x8000 << 48) | (4 << 76)
+    _SET = (0x8000 << 48) | (7 << 76)
 
     def __init__(self) -> None:
         self._buf = b""
@@ -579,14 +605,16 @@ class _UUID4Source:
         self._fast = _can_build_uuid_directly()
 
     def next(self) -> uuid.UUID:
-        if not self._fast:
-            return uuid.uuid4()
         pos = self._pos
         if pos >= len(self._buf):
             self._buf = os.urandom(self._BLOCK)
             pos = 0
-        self._pos = pos + 16
-        value = (int.from_bytes(self._buf[pos : pos + 16], "big") & self._CLEAR) | self._SET
+        end = pos + self._RANDOM_BYTES
+        self._pos = end
+        random_bits = int.from_bytes(self._buf[pos:end], "big")
+        value = (((time_ns() // 1_000_000) << 80) | random_bits) & self._CLEAR | self._SET
+        if not self._fast:
+            return uuid.UUID(int=value)
         return _uuid_from_int(value)
 
 

@@ -14,22 +14,27 @@ retried (:func:`celery_sched.retry.call_with_retry`) and finally raised as
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import psycopg
 import psycopg.errors
+from psycopg import pq
+from psycopg.adapt import Dumper
 from sqlalchemy import (
     Integer,
     Interval,
     Row,
     Select,
+    Text,
     Update,
+    all_,
     any_,
     bindparam,
     case,
@@ -38,6 +43,7 @@ from sqlalchemy import (
     delete,
     extract,
     func,
+    literal,
     literal_column,
     select,
     update,
@@ -58,7 +64,17 @@ from celery_sched.errors import (
     StoreUnavailable,
 )
 from celery_sched.interfaces import JobStore
-from celery_sched.models import FINISHED_STATUSES, Job, JobStatus, NewJob, ReconcileResult
+from celery_sched.models import (
+    FINISHED_STATUSES,
+    NEW_JOB_ROW,
+    Job,
+    JobStatus,
+    NewJob,
+    NewJobRow,
+    ReconcileResult,
+    WorkerUpdate,
+    jobs_from_rows,
+)
 from celery_sched.retry import call_with_retry
 from celery_sched.settings import Settings
 from celery_sched.store.schema import build_metadata
@@ -113,6 +129,9 @@ _PENDING: ColumnElement[str] = literal_column("'pending'")
 _DISPATCHED: ColumnElement[str] = literal_column("'dispatched'")
 _RUNNING: ColumnElement[str] = literal_column("'running'")
 _ONE_SECOND = literal_column("interval '1 second'", type_=Interval)
+#: The physical address of a row version (claims lock and update by it).
+_CTID: ColumnElement[Any] = literal_column("ctid")
+_TEXT_OID = 25
 
 
 _DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
@@ -214,12 +233,13 @@ class _Queries:
         columns = ", ".join(f'"{name}"' for name, _ in _COPY_COLUMNS)
         self.copy_sql = f'COPY "{schema}".jobs ({columns}) FROM STDIN (FORMAT BINARY)'
         self.copy_types = [kind for _, kind in _COPY_COLUMNS]
+        assert tuple(name for name, _ in _COPY_COLUMNS) == NEW_JOB_ROW
 
         # -- claims (the hot path) --
         # The scan walks the partial pending index of one shard in due order
         # and stops at the current minute, so future rows are never read.
         due_ids = (
-            select(c.id)
+            select(_CTID)
             .where(
                 c.status == _PENDING,
                 c.shard == bindparam("p_shard"),
@@ -234,7 +254,7 @@ class _Queries:
         self.claim_due = self._claim(due_ids)
         self.claim_due_raw = _RawStatement(self.claim_due)
         given_ids = (
-            select(c.id)
+            select(_CTID)
             .where(
                 c.id == any_(ids),
                 c.status == _PENDING,
@@ -375,6 +395,22 @@ class _Queries:
                 last_error=bindparam("error", type_=c.last_error.type),
             )
         )
+        # The same transitions for executemany (batched worker reports):
+        # psycopg pipelines them, but expanding IN lists are not allowed.
+        self.batch_running = (
+            update(jobs)
+            .where(by_id, c.status == any_(_text_array("dispatched", "retrying", "pending")))
+            .values(status="running", started_at=now, worker=bindparam("p_worker"))
+        )
+        self.batch_finished = (
+            update(jobs)
+            .where(by_id, c.status != all_(_text_array(*sorted(finished))))
+            .values(
+                status=bindparam("p_status"),
+                finished_at=now,
+                last_error=bindparam("error", type_=c.last_error.type),
+            )
+        )
         self.cancel = (
             update(jobs)
             .where(c.key == bindparam("p_key"), c.status == _PENDING)
@@ -395,14 +431,32 @@ class _Queries:
 
     def _claim(self, chosen: Any) -> Update:
         c = self.jobs.c
+        # The subquery locked these exact row versions (FOR UPDATE), so
+        # nobody can change them before this statement does: joining on the
+        # physical row address (a TID scan) is safe and saves a primary key
+        # probe per row. Should a row have been updated between the
+        # statement's snapshot and its lock, the TID scan does not see the
+        # new version and the row is simply not claimed this time.
+        table = _DIALECT.identifier_preparer.format_table(self.jobs)
+        # Options come back as text: most claimed jobs share a handful of
+        # option sets, which _claimed_jobs decodes once per batch instead of
+        # running the JSON loader per row.
+        returned = [
+            cast(column, Text).label("options") if column.name == "options" else column
+            for column in c
+        ]
         return (
             update(self.jobs)
-            .where(c.id == chosen.c.id)
+            .where(literal_column(f"{table}.ctid") == chosen.c.ctid)
             .values(
                 status="dispatched", dispatched_at=func.now(), leader_epoch=bindparam("p_epoch")
             )
-            .returning(*c)
+            .returning(*returned)
         )
+
+
+def _text_array(*values: str) -> Any:
+    return postgresql.array([literal(value, type_=Text()) for value in values])
 
 
 def _job(row: Row[Any]) -> Job:
@@ -428,13 +482,37 @@ class _RawStatement:
             with raw.cursor() as cur:
                 cur.execute(self.sql, {**self.defaults, **params})
                 names = [column.name for column in cur.description or ()]
-                return [Job(**dict(zip(names, row, strict=True))) for row in cur.fetchall()]
+                rows = cur.fetchall()
+                options_at = names.index("options")
+                if cur.description[options_at].type_code != _TEXT_OID:  # type: ignore[index]
+                    return jobs_from_rows(names, rows)
+                return jobs_from_rows(names, _decode_options(rows, options_at))
         except psycopg.Error:
             if raw.closed or raw.broken:
                 # SQLAlchemy did not see this failure; make sure the dead
                 # connection is not returned to the pool.
                 conn.invalidate()
             raise
+
+
+def _decode_options(rows: list[tuple[Any, ...]], at: int) -> Iterator[list[Any]]:
+    """Rows with the JSON text at index ``at`` decoded, each distinct text once."""
+    decoded: dict[str, dict[str, Any]] = {}
+    flat: dict[str, bool] = {}
+    for row in rows:
+        values = list(row)
+        text = values[at]
+        if text == "{}":
+            values[at] = {}
+        else:
+            options = decoded.get(text)
+            if options is None:
+                options = decoded[text] = json.loads(text)
+                flat[text] = not any(isinstance(v, (dict, list)) for v in options.values())
+            # Every job gets its own mapping; a shallow copy is a copy only
+            # when no value is itself a container.
+            values[at] = dict(options) if flat[text] else json.loads(text)
+        yield values
 
 
 def _sort_due(jobs: list[Job]) -> list[Job]:
@@ -637,6 +715,13 @@ class PostgresJobStore(JobStore):
             return fn(conn)
 
     def insert_many(self, jobs: Iterable[NewJob]) -> int:
+        return self.insert_rows(job.as_row() for job in jobs)
+
+    def insert_rows(self, rows: Iterable[NewJobRow]) -> int:
+        """:meth:`insert_many` for jobs given as :data:`~celery_sched.models.NEW_JOB_ROW`
+        tuples (already validated: ``JobBuilder.build_row`` output), written
+        to COPY unchanged. Same atomicity and errors as :meth:`insert_many`.
+        """
         # Only checking out a connection is retried: once COPY has consumed
         # part of a (possibly one-shot) iterator, it cannot be replayed.
         conn = self._retry(self._checkout, "insert_many")
@@ -655,11 +740,12 @@ class PostgresJobStore(JobStore):
                         (lock_ms,),
                     )
                     count = 0
+                    cur.adapters.register_dumper(None, _OptionsDumper)
                     with cur.copy(self._q.copy_sql) as copy:
                         copy.set_types(self._q.copy_types)
                         write_row = copy.write_row
-                        for job in jobs:
-                            write_row(_copy_row(job))
+                        for row in rows:
+                            write_row(row)
                             count += 1
         except (sa_exc.SQLAlchemyError, psycopg.Error) as exc:
             raw_conn = conn.connection.driver_connection if not conn.closed else None
@@ -869,6 +955,39 @@ class PostgresJobStore(JobStore):
         params = {"p_id": job_id, "error": error}
         return self._rowcount("mark_retrying", self._q.mark_retrying, params) > 0
 
+    def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
+        # One transaction, one executemany (pipelined by psycopg) per kind of
+        # transition, applied in the order a job moves: running, retrying,
+        # finished. Per job that is the order the worker reported them in,
+        # except a retry re-run inside one batch, which ends as "retrying"
+        # until its own finish arrives.
+        running = [
+            {"p_id": u.job_id, "p_worker": u.worker or ""}
+            for u in updates
+            if u.status == JobStatus.RUNNING
+        ]
+        retrying = [
+            {"p_id": u.job_id, "error": u.error} for u in updates if u.status == JobStatus.RETRYING
+        ]
+        finished = [
+            {"p_id": u.job_id, "p_status": u.status.value, "error": u.error}
+            for u in updates
+            if u.status.finished
+        ]
+
+        def apply(conn: Connection) -> int:
+            changed = 0
+            for stmt, params in (
+                (self._q.batch_running, running),
+                (self._q.mark_retrying, retrying),
+                (self._q.batch_finished, finished),
+            ):
+                if params:
+                    changed += max(0, conn.execute(stmt, params).rowcount)
+            return changed
+
+        return self._tx("apply_worker_updates", apply)
+
     # -- housekeeping -------------------------------------------------------
 
     def prune(self, *, older_than: float, batch: int) -> int:
@@ -923,23 +1042,18 @@ def _row_values(job: NewJob) -> dict[str, Any]:
     }
 
 
-def _copy_row(job: NewJob) -> tuple[Any, ...]:
-    return (
-        job.id,
-        job.key,
-        job.task,
-        job.body,
-        job.content_type,
-        job.content_encoding,
-        job.argsrepr,
-        job.kwargsrepr,
-        dict(job.options),
-        job.due_at,
-        job.due_bucket,
-        job.expires_at,
-        job.max_attempts,
-        job.shard,
-        job.schedule_id,
-        job.visibility_timeout,
-        job.max_runtime,
-    )
+class _OptionsDumper(Dumper):
+    """Binary jsonb for the options column of the bulk load.
+
+    psycopg's own jsonb dumper runs ``json.dumps`` per row; almost every
+    bulk-loaded job has no options, and their value is a constant.
+    """
+
+    format = pq.Format.BINARY
+    oid = psycopg.adapters.types["jsonb"].oid
+
+    def dump(self, obj: Any) -> bytes:
+        if not obj:
+            return b"\x01{}"
+        # jsonb's binary input: format version 1, then the JSON text.
+        return b"\x01" + json.dumps(dict(obj)).encode()

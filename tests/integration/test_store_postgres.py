@@ -262,3 +262,42 @@ def test_insert_many_streams_a_large_generator(store: PostgresJobStore) -> None:
     assert store.insert_many(rows()) == 50_000  # type: ignore[arg-type]
     assert produced == 50_000
     assert store.counts_by_status() == {JobStatus.PENDING: 50_000}
+
+
+def test_claims_decode_options_per_job(store: PostgresJobStore) -> None:
+    """Claims read options as text and decode each distinct set once; every
+    job still gets its own, equal mapping, nested values included."""
+    due = store.now() - dt.timedelta(seconds=5)
+    option_sets: list[dict[str, Any]] = [
+        {},
+        {"queue": "q1", "priority": 3},
+        {"queue": "q1", "headers": {"h": ["v", 1]}},
+    ]
+    expected = {f"o{i}": option_sets[i % 3] for i in range(30)}
+    store.insert_many(
+        new_job(key, due + dt.timedelta(microseconds=i), options=options)
+        for i, (key, options) in enumerate(expected.items())
+    )
+    epoch = store.acquire_epoch(0, "t")
+    half = store.claim_due(shard=0, epoch=epoch, limit=15)
+    rest = store.claim_ids([store.get(k).id for k in expected], shard=0, epoch=epoch)  # type: ignore[union-attr]
+    claimed = half + rest
+    assert sorted(job.key for job in claimed) == sorted(expected)
+    for job in claimed:
+        assert job.options == expected[job.key]
+        assert job.status is JobStatus.DISPATCHED and job.leader_epoch == epoch
+        assert job == store.get(job.key)
+    # No two jobs share a mapping (or a nested one) that a caller could mutate.
+    nested = [job for job in claimed if "headers" in job.options]
+    nested[0].options["headers"]["h"].append("x")  # type: ignore[index]
+    assert nested[1].options["headers"] == {"h": ["v", 1]}
+    flat = [job for job in claimed if job.options.get("priority") == 3]
+    assert flat[0].options is not flat[1].options
+
+
+def test_bulk_load_options_round_trip(store: PostgresJobStore) -> None:
+    due = store.now() + dt.timedelta(hours=1)
+    options = {"queue": "é", "headers": {"k": [1, None, True]}, "time_limit": 2.5}
+    store.insert_many([new_job("a", due, options={}), new_job("b", due, options=options)])
+    assert store.get("a").options == {}  # type: ignore[union-attr]
+    assert store.get("b").options == options  # type: ignore[union-attr]

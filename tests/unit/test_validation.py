@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import time
 import uuid
 import zlib
 from typing import Any
@@ -26,6 +27,7 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
+from celery_sched.models import EMPTY_OPTIONS, NEW_JOB_ROW, NewJob
 from celery_sched.settings import Settings
 from celery_sched.validation import MAX_KEY_LENGTH, JobBuilder
 
@@ -433,13 +435,22 @@ def test_expires_at_or_before_due_is_refused(builder: JobBuilder, expires: Any) 
 def test_generated_key_is_the_job_id(builder: JobBuilder) -> None:
     job = build(builder, "tests.add")
     assert job.key == str(job.id)
-    assert job.id.version == 4
+    assert job.id.version == 7
 
 
-def test_ids_are_unique_random_uuid4(builder: JobBuilder) -> None:
+def test_ids_are_unique_time_ordered_uuid7(builder: JobBuilder) -> None:
+    before_ms = time.time_ns() // 1_000_000
     ids = [build(builder, "tests.add").id for _ in range(5000)]
+    after_ms = time.time_ns() // 1_000_000
     assert len(set(ids)) == 5000
-    assert all(i.version == 4 and i.variant == uuid.RFC_4122 for i in ids)
+    assert all(i.version == 7 and i.variant == uuid.RFC_4122 for i in ids)
+    # RFC 9562: the top 48 bits are the Unix time in milliseconds, so ids
+    # from later milliseconds sort after earlier ones (index locality).
+    stamps = [i.int >> 80 for i in ids]
+    assert all(before_ms <= stamp <= after_ms for stamp in stamps)
+    assert stamps == sorted(stamps)
+    # 74 random bits: no two ids of one millisecond share them.
+    assert len({i.int & ((1 << 80) - 1) for i in ids}) == 5000
     # Built objects behave like ordinary UUIDs.
     assert uuid.UUID(str(ids[0])) == ids[0]
     assert hash(uuid.UUID(str(ids[0]))) == hash(ids[0])
@@ -469,3 +480,70 @@ def test_shard_is_crc32_of_key(app: Celery) -> None:
 
 def test_single_shard_is_zero(builder: JobBuilder) -> None:
     assert {build(builder, "tests.add").shard for _ in range(50)} == {0}
+
+
+# -- the bulk row path -------------------------------------------------------------
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+_options = st.fixed_dictionaries(
+    {},
+    optional={
+        "queue": st.sampled_from(["a", "celery"]),
+        "priority": st.integers(0, 255),
+        "max_attempts": st.integers(1, 9),
+        "expires": st.floats(1, 1e6),
+        "headers": st.dictionaries(st.text(max_size=4), _scalars, max_size=2),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    args=st.lists(st.one_of(_scalars, st.lists(_scalars, max_size=2)), max_size=4),
+    kwargs=st.dictionaries(st.text(max_size=5), _scalars, max_size=3),
+    offset=st.integers(-(10**6), 10**8),
+    key=st.one_of(st.none(), st.text(min_size=1, max_size=20).filter(lambda k: "\x00" not in k)),
+    options=_options,
+)
+def test_bulk_row_equals_the_validated_new_job(
+    args: list[Any], kwargs: dict[str, Any], offset: int, key: str | None, options: dict[str, Any]
+) -> None:
+    """build_row's tuple holds exactly what build() validates into a NewJob."""
+    builder = JobBuilder(make_app(), Settings())
+    eta = NOW + dt.timedelta(microseconds=offset)
+    row_input = {"task": "tests.add", "args": args, "kwargs": kwargs, "eta": eta, **options}
+    if key is not None:
+        row_input["key"] = key
+    fields = frozenset({"task", "args", "kwargs", "eta", "key"})
+    row = builder.build_row(row_input, fixed_now, fields)
+    job = build(builder, "tests.add", args, kwargs, eta=eta, key=key, options=options)
+    expected = job.as_row()
+    assert len(row) == len(NEW_JOB_ROW)
+    # Ids are drawn per call; everything else, including the due bucket, agrees.
+    assert row[2:] == expected[2:]
+    assert row[NEW_JOB_ROW.index("due_bucket")] == job.due_bucket
+    if key is None:
+        assert row[1] == str(row[0])
+    else:
+        assert row[1] == key
+    # And a NewJob rebuilt from the row passes NewJob's own validation unchanged.
+    rebuilt = NewJob.from_row(row)
+    assert rebuilt.as_row() == row
+    assert isinstance(rebuilt.options, dict)
+
+
+def test_bulk_row_without_options_shares_the_read_only_empty_mapping(builder: JobBuilder) -> None:
+    row = builder.build_row(
+        {"task": "tests.add", "args": [1]}, fixed_now, frozenset({"task", "args"})
+    )
+    assert row[NEW_JOB_ROW.index("options")] is EMPTY_OPTIONS
+    with pytest.raises(TypeError):
+        row[NEW_JOB_ROW.index("options")]["queue"] = "x"  # type: ignore[index]
+    # NewJobs never share it.
+    assert NewJob.from_row(row).options == {} and NewJob.from_row(row).options is not EMPTY_OPTIONS
