@@ -99,7 +99,9 @@ class Engine:
         self._next_sweep = 0.0
         self._next_reconcile = 0.0
         self._backoff = 0.0
-        self._stage_interval = max(0.25, min(settings.staging_window / 4, 15.0))
+        # Frequent small increments: each pass reads and stages only what
+        # entered the window since the last one, so no pass stalls the loop.
+        self._stage_interval = max(0.25, min(settings.staging_window / 4, 1.0))
 
     # -- lifecycle ----------------------------------------------------------
 

@@ -46,14 +46,22 @@ def call_with_retry(
             if attempt == attempts:
                 raise translate(exc) from exc
             logger.warning(
-                "%s failed (attempt %d/%d) against %s: %s; retrying in %.2fs",
+                "%s failed (attempt %d/%d) against %s: %s: %s; retrying in %.2fs",
                 what,
                 attempt,
                 attempts,
                 url,
                 type(exc).__name__,
+                _first_line(exc),
                 delay,
             )
             sleep(delay)
             delay = min(delay * 2, max_delay)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _first_line(exc: BaseException) -> str:
+    # Driver messages can span lines (DETAIL, HINT, the SQL); the first line
+    # names the problem and carries no parameters.
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"

@@ -137,6 +137,10 @@ _TEXT_OID = 25
 _DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
 
 
+#: Bulk loads of at least this many rows refresh the table's statistics.
+ANALYZE_AFTER_ROWS = 10_000
+
+
 class TransientDatabaseError(Exception):
     """Retry marker wrapping a transient driver error; never escapes this module."""
 
@@ -232,6 +236,7 @@ class _Queries:
         )
         columns = ", ".join(f'"{name}"' for name, _ in _COPY_COLUMNS)
         self.copy_sql = f'COPY "{schema}".jobs ({columns}) FROM STDIN (FORMAT BINARY)'
+        self.analyze_sql = f'ANALYZE "{schema}".jobs'
         self.copy_types = [kind for _, kind in _COPY_COLUMNS]
         assert tuple(name for name, _ in _COPY_COLUMNS) == NEW_JOB_ROW
 
@@ -253,18 +258,18 @@ class _Queries:
         )
         self.claim_due = self._claim(due_ids)
         self.claim_due_raw = _RawStatement(self.claim_due)
+        # The ids are found by primary key only: with the status test in
+        # this subquery the planner may pick the partial pending index
+        # instead (it does on a freshly loaded table with no statistics) and
+        # read the whole backlog per batch. The outer UPDATE re-checks
+        # status and due-ness on the locked row.
         given_ids = (
             select(_CTID)
-            .where(
-                c.id == any_(ids),
-                c.status == _PENDING,
-                c.shard == bindparam("p_shard"),
-                c.due_at <= now,
-            )
+            .where(c.id == any_(ids), c.shard == bindparam("p_shard"))
             .with_for_update(skip_locked=True)
             .subquery("given")
         )
-        self.claim_ids = self._claim(given_ids)
+        self.claim_ids = self._claim(given_ids, c.status == _PENDING, c.due_at <= now)
         self.claim_ids_raw = _RawStatement(self.claim_ids)
         horizon = now + _seconds(bindparam("within", type_=postgresql.DOUBLE_PRECISION))
         soon = (
@@ -429,7 +434,7 @@ class _Queries:
         )
         self.prune = delete(jobs).where(c.id.in_(prunable.scalar_subquery()))
 
-    def _claim(self, chosen: Any) -> Update:
+    def _claim(self, chosen: Any, *recheck: ColumnElement[bool]) -> Update:
         c = self.jobs.c
         # The subquery locked these exact row versions (FOR UPDATE), so
         # nobody can change them before this statement does: joining on the
@@ -447,7 +452,7 @@ class _Queries:
         ]
         return (
             update(self.jobs)
-            .where(literal_column(f"{table}.ctid") == chosen.c.ctid)
+            .where(literal_column(f"{table}.ctid") == chosen.c.ctid, *recheck)
             .values(
                 status="dispatched", dispatched_at=func.now(), leader_epoch=bindparam("p_epoch")
             )
@@ -757,6 +762,11 @@ class PostgresJobStore(JobStore):
         finally:
             conn.close()
         logger.debug("inserted %d jobs with COPY", count)
+        if count >= ANALYZE_AFTER_ROWS:
+            # Fresh statistics after a bulk load keep the planner on the
+            # indexes the claims were written for; ANALYZE samples a fixed
+            # number of rows, so this costs well under a second at any size.
+            self._tx("analyze", lambda c: c.exec_driver_sql(self._q.analyze_sql))
         return count
 
     def _checkout(self) -> Connection:
