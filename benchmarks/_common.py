@@ -1,0 +1,436 @@
+"""Helpers shared by the dispatch, lag and failover benchmarks.
+
+Each benchmark run owns a :class:`Run`: a fresh Postgres schema, a Redis key
+prefix and a queue name, all unique, and removes them in :meth:`Run.cleanup`
+(drop schema, delete only its own Redis keys, delete its queue; never a
+FLUSHALL). Beat processes are real ``celery beat`` subprocesses of
+``benchmarks/legacy_app.py``, configured through the environment.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+from celery_sched.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+CELERY = str(Path(sys.executable).with_name("celery"))
+
+PG_URL = os.environ.get(
+    "CELERY_SCHED_BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("CELERY_SCHED_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("CELERY_SCHED_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def progress(message: str, *args: Any) -> None:
+    """One human-readable progress line (the JSON object is always printed last)."""
+    print(f"[{time.strftime('%H:%M:%S')}] " + (message % args if args else message), flush=True)
+
+
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def broker_url(name: str) -> str:
+    return {"redis": REDIS_URL, "amqp": AMQP_URL}.get(name, name)
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+# -- one run's isolated resources ---------------------------------------------------
+
+
+class Run:
+    """A schema, Redis prefix, queue and temp dir unique to one benchmark run."""
+
+    def __init__(self, name: str, *, broker: str, **settings: Any) -> None:
+        self.name = f"bench_{name}_{uuid.uuid4().hex[:10]}"
+        self.broker = broker_url(broker)
+        self.queue = self.name + "_q"
+        self.settings = Settings(
+            database_url=PG_URL,
+            redis_url=REDIS_URL,
+            db_schema=self.name,
+            key_prefix=self.name,
+            hostname=f"celery_sched@{self.name}",
+            **settings,
+        )
+        self.dsn = self.settings.libpq_conninfo()
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        self.tmp = Path(tempfile.mkdtemp(prefix=self.name + "_"))
+        self.procs: list[Beat] = []
+
+    # -- processes --
+
+    def env(self, **extra: str) -> dict[str, str]:
+        s = self.settings
+        return {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
+            "BENCH_BROKER_URL": self.broker,
+            "BENCH_QUEUE": self.queue,
+            "BENCH_REDIS_URL": REDIS_URL,
+            "BENCH_REDBEAT_PREFIX": self.name + ":redbeat:",
+            "CELERY_SCHED_DATABASE_URL": s.database_url,
+            "CELERY_SCHED_REDIS_URL": s.redis_url,
+            "CELERY_SCHED_DB_SCHEMA": s.db_schema,
+            "CELERY_SCHED_KEY_PREFIX": s.key_prefix,
+            "CELERY_SCHED_HOSTNAME": s.hostname,
+            "CELERY_SCHED_LEASE_TTL": str(s.lease_ttl),
+            "CELERY_SCHED_VISIBILITY_TIMEOUT": str(s.visibility_timeout),
+            "CELERY_SCHED_SWEEP_INTERVAL": str(s.sweep_interval),
+            "CELERY_SCHED_RECONCILE_INTERVAL": str(s.reconcile_interval),
+            "CELERY_SCHED_STAGING_WINDOW": str(s.staging_window),
+            "CELERY_SCHED_BATCH_SIZE": str(s.batch_size),
+            **extra,
+        }
+
+    def start_beat(
+        self, name: str, *, scheduler: str = "celery_sched", loglevel: str = "INFO", **env: str
+    ) -> Beat:
+        """A real ``celery beat`` subprocess; output goes to a log file."""
+        log = self.tmp / f"{name}.log"
+        with log.open("wb") as handle:
+            popen = subprocess.Popen(
+                [
+                    CELERY,
+                    "-A",
+                    "legacy_app",
+                    "beat",
+                    "-S",
+                    scheduler,
+                    f"--loglevel={loglevel}",
+                    "-s",
+                    str(self.tmp / f"{name}-schedule"),
+                    "--pidfile=",
+                ],
+                cwd=ROOT,
+                env=self.env(**env),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        beat = Beat(name, popen, log)
+        self.procs.append(beat)
+        return beat
+
+    # -- Postgres --
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        with self.connect() as conn:
+            return conn.execute(sql.replace("{s}", f'"{self.name}"'), params).fetchall()
+
+    def execute(self, sql: str, *params: Any) -> None:
+        with self.connect() as conn:
+            conn.execute(sql.replace("{s}", f'"{self.name}"'), params)
+
+    def leader(self) -> tuple[int, str] | None:
+        try:
+            rows = self.query("SELECT epoch, holder FROM {s}.leaders WHERE shard = 0")
+        except psycopg.errors.UndefinedTable:
+            return None
+        return (int(rows[0][0]), str(rows[0][1])) if rows else None
+
+    def leader_beat(self) -> Beat | None:
+        current = self.leader()
+        if current is None:
+            return None
+        pid = int(current[1].rsplit(":", 1)[-1])
+        return next((b for b in self.procs if b.pid == pid), None)
+
+    def dispatched_span(self) -> tuple[dt.datetime | None, dt.datetime | None, int]:
+        row = self.query(
+            "SELECT min(dispatched_at), max(dispatched_at), count(dispatched_at) FROM {s}.jobs"
+        )[0]
+        return row[0], row[1], int(row[2])
+
+    # -- cleanup --
+
+    def stop_all(self) -> None:
+        for beat in self.procs:
+            beat.stop()
+
+    def cleanup(self, *, keep_logs: bool = False) -> None:
+        """Remove everything this run created (best effort, never FLUSHALL)."""
+        self.stop_all()
+        with contextlib.suppress(Exception), self.connect() as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{self.name}" CASCADE')
+        with contextlib.suppress(Exception):
+            keys = list(self.redis.scan_iter(match=self.name + "*", count=1000))
+            for start in range(0, len(keys), 1000):
+                self.redis.delete(*keys[start : start + 1000])
+        with contextlib.suppress(Exception):
+            delete_queue(self.broker, self.queue)
+        with contextlib.suppress(Exception):
+            # Kombu's Redis transport keeps the queue's exchange bindings in
+            # keys of its own, which queue_delete leaves behind.
+            self.redis.delete(
+                f"_kombu.binding.{self.queue}", f"_kombu.binding_permanent.{self.queue}"
+            )
+        with contextlib.suppress(Exception):
+            self.redis.close()
+        if not keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class Beat:
+    """One beat subprocess."""
+
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path) -> None:
+        self.name = name
+        self.popen = popen
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if not self.alive():
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+# -- the broker side -----------------------------------------------------------------
+
+
+def delete_queue(broker: str, queue: str) -> None:
+    from kombu import Connection
+
+    with Connection(broker) as conn:
+        channel: Any = conn.default_channel
+        with contextlib.suppress(Exception):
+            channel.queue_purge(queue)
+        channel.queue_delete(queue)
+
+
+class QueueDepth:
+    """How many messages sit in ``queue``: LLEN on Redis, a passive declare on AMQP."""
+
+    def __init__(self, broker: str, queue: str) -> None:
+        self.queue = queue
+        self._redis: redis.Redis | None = None
+        self._conn: Any = None
+        if broker.startswith(("redis://", "rediss://")):
+            self._redis = redis.Redis.from_url(broker)
+        else:
+            from kombu import Connection
+
+            self._conn = Connection(broker)
+            self._conn.connect()
+            self._channel = self._conn.channel()
+
+    def __call__(self) -> int:
+        if self._redis is not None:
+            return int(self._redis.llen(self.queue))
+        try:
+            ok = self._channel.queue_declare(self.queue, passive=True)
+        except Exception:  # the queue is not declared yet
+            self._channel = self._conn.channel()
+            return 0
+        return int(ok.message_count)
+
+    def close(self) -> None:
+        if self._redis is not None:
+            self._redis.close()
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.release()
+
+
+def watch_depth(
+    depth: QueueDepth,
+    *,
+    target: int,
+    start_timeout: float,
+    window: float,
+    interval: float = 0.02,
+    alive: Any = None,
+) -> list[tuple[float, int]]:
+    """Sample the queue depth every ``interval`` s until ``target`` messages arrived,
+    ``window`` s passed since the first one, or none came within ``start_timeout``.
+
+    Returns ``(monotonic time, depth)`` samples from the last empty sample on.
+    """
+    samples: list[tuple[float, int]] = []
+    started = time.monotonic()
+    first: float | None = None
+    last_empty = (started, 0)
+    while True:
+        now = time.monotonic()
+        count = depth()
+        if count == 0 and first is None:
+            last_empty = (now, 0)
+        else:
+            if first is None:
+                first = now
+                samples.append(last_empty)
+            samples.append((now, count))
+            if count >= target or now - first >= window:
+                return samples
+        if first is None and now - started > start_timeout:
+            return samples
+        if alive is not None and not alive() and first is None:
+            return samples
+        time.sleep(interval)
+
+
+def arrival_rate(samples: list[tuple[float, int]], target: int) -> dict[str, Any]:
+    """Messages per second between the first and the last arrival seen in ``samples``.
+
+    The first arrival is placed halfway between the last empty sample and the
+    first non-empty one; the end is the first sample at the final depth.
+    """
+    if len(samples) < 2:
+        return {"messages": 0, "seconds": None, "per_s": 0.0}
+    final = samples[-1][1]
+    t_first = (samples[0][0] + samples[1][0]) / 2
+    t_last = next(t for t, count in samples if count == final)
+    seconds = max(t_last - t_first, 1e-3)
+    return {
+        "messages": final,
+        "complete": final >= target,
+        "seconds": round(seconds, 3),
+        "per_s": round(final / seconds, 1),
+    }
+
+
+# -- a raw consumer ------------------------------------------------------------------
+
+
+class Received:
+    """One message as the raw consumer saw it."""
+
+    __slots__ = ("args", "epoch", "job_id", "received")
+
+    def __init__(self, received: float, job_id: str, epoch: int | None, args: list[Any]) -> None:
+        self.received = received
+        self.job_id = job_id
+        self.epoch = epoch
+        self.args = args
+
+
+def decode(payload: bytes, received: float) -> Received:
+    """Decode one Kombu-over-Redis envelope into what the benchmarks need."""
+    envelope = json.loads(payload)
+    body = envelope["body"]
+    if envelope["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args, _kwargs, _embed = json.loads(body)
+    headers = envelope.get("headers") or {}
+    epoch = headers.get("celery_sched_epoch")
+    return Received(received, str(headers.get("id")), None if epoch is None else int(epoch), args)
+
+
+class RawConsumer(threading.Thread):
+    """Pops the queue's Redis list as fast as it can, stamping receive times.
+
+    Decoding is deferred to :meth:`messages`, so the loop only pops and
+    timestamps; a batch popped in one RPOP shares one receive time.
+    """
+
+    def __init__(self, queue: str, url: str = REDIS_URL) -> None:
+        super().__init__(name="raw-consumer", daemon=True)
+        self.queue = queue
+        self.client = redis.Redis.from_url(url)
+        self._raw: list[tuple[float, list[bytes]]] = []
+        self._stop_event = threading.Event()
+        self.count = 0
+        self.on_batch: Any = None
+
+    def run(self) -> None:
+        client, queue, raw = self.client, self.queue, self._raw
+        while not self._stop_event.is_set():
+            items: Any = client.rpop(queue, 1000)
+            if not items:
+                popped: Any = client.brpop([queue], timeout=0.05)
+                if not popped:
+                    continue
+                items = [popped[1]]
+            now = time.time()
+            raw.append((now, items))
+            self.count += len(items)
+            if self.on_batch is not None:
+                self.on_batch(now, items)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+        self.client.close()
+
+    def messages(self) -> Iterator[Received]:
+        for received, items in self._raw:
+            for payload in items:
+                yield decode(payload, received)
+
+
+def wait_for(condition: Any, *, timeout: float, interval: float = 0.1, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The benchmark's one JSON object, as the last line of stdout."""
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,220 @@
+"""Dispatch lag of one ``celery beat -S celery_sched`` under a sustained stream.
+
+``--future`` jobs (default 1,000,000) due at least a day ahead are loaded
+with one ``INSERT ... SELECT generate_series`` (then ANALYZEd, as a table
+that has held them for a while would be); one beat process starts and takes
+the lease; then ``--rate`` x ``--seconds`` jobs (default 2,000/s for 60 s =
+120,000) are scheduled with ``Client.schedule_many``, due from T0 + ``--lead``
+s onwards, evenly spaced. Each job is ``bench.record(due, tag)``.
+
+A raw consumer thread pops the Redis list as fast as it can (RPOP of up to
+1,000, BRPOP when empty) and stamps every batch with ``time.time()``; the
+lag of a job is that receive time minus its due epoch (``args[0]``, decoded
+from the base64 JSON body after the run). ``jobs.dispatched_at - due_at``
+from Postgres is reported too (the claim time, by Postgres' clock).
+
+    .venv/bin/python benchmarks/lag.py [--rate 2000] [--seconds 60] [--future 1000000]
+        [--lead 20] [--runs 1]
+
+Target: p99 of receive - due under 500 ms. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import time
+from typing import Any
+
+from _common import (
+    RawConsumer,
+    Run,
+    emit,
+    load_avg,
+    median,
+    percentile,
+    progress,
+    rounded,
+    wait_for,
+)
+from legacy_app import TASK, app
+
+from celery_sched.client import Client
+
+TARGET_P99_MS = 500.0
+
+FUTURE_SQL = """
+INSERT INTO {s}.jobs (id, key, task, body, content_type, content_encoding, argsrepr,
+    kwargsrepr, options, due_at, due_bucket, max_attempts, shard)
+SELECT gen_random_uuid(), 'future-' || g, t.task, t.body, t.content_type, t.content_encoding,
+    t.argsrepr, t.kwargsrepr, t.options, f.due, floor(extract(epoch FROM f.due) / 60)::int,
+    t.max_attempts, t.shard
+FROM {s}.jobs AS t,
+    LATERAL generate_series(1, %s) AS g,
+    LATERAL (SELECT t.due_at + g * interval '100 milliseconds' AS due) AS f
+WHERE t.key = 'future-template'
+"""
+
+PG_LAG_SQL = """
+SELECT count(*),
+    percentile_cont(0.5) WITHIN GROUP (ORDER BY lag),
+    percentile_cont(0.99) WITHIN GROUP (ORDER BY lag),
+    max(lag)
+FROM (SELECT extract(epoch FROM dispatched_at - due_at)::float8 * 1000 AS lag
+      FROM {s}.jobs WHERE dispatched_at IS NOT NULL) AS d
+"""
+
+
+def load_future(run: Run, client: Client, future: int) -> float:
+    """``future`` jobs due a day ahead and later; returns the seconds it took."""
+    started = time.perf_counter()
+    client.schedule(
+        TASK,
+        [0.0, "future"],
+        key="future-template",
+        eta=dt.datetime.now(dt.UTC) + dt.timedelta(days=1, minutes=5),
+    )
+    if future > 1:
+        run.execute(FUTURE_SQL, future - 1)
+    run.execute("ANALYZE {s}.jobs")
+    return time.perf_counter() - started
+
+
+def run_once(ns: argparse.Namespace, index: int) -> dict[str, Any]:
+    run = Run("lag", broker="redis")
+    consumer = RawConsumer(run.queue)
+    try:
+        with Client(app, settings=run.settings) as client:
+            client.migrate()
+            load_s = load_future(run, client, ns.future)
+            progress(
+                "run %d: %d future jobs stored in %.1fs (%s)", index, ns.future, load_s, run.name
+            )
+            consumer.start()
+            beat = run.start_beat("beat")
+            wait_for(run.leader, timeout=60, what="a leader")
+            total = int(ns.rate * ns.seconds)
+            t0 = time.time()
+            first_due = t0 + ns.lead
+            utc = dt.UTC
+            from_ts = dt.datetime.fromtimestamp
+            rows = (
+                {
+                    "task": TASK,
+                    "args": [due, "s"],
+                    "eta": from_ts(due, utc),
+                }
+                for due in (first_due + i / ns.rate for i in range(total))
+            )
+            written = client.schedule_many(rows)
+            insert_s = time.time() - t0
+        progress(
+            "run %d: %d stream jobs scheduled in %.1fs; due from T0+%ss for %ss",
+            index,
+            written,
+            insert_s,
+            ns.lead,
+            ns.seconds,
+        )
+        if insert_s > ns.lead:
+            progress("run %d: WARNING the insert outlasted the lead; early jobs start late", index)
+        last_due = first_due + (total - 1) / ns.rate
+        while time.time() < last_due:
+            time.sleep(min(5.0, max(0.1, last_due - time.time())))
+            progress("run %d: received %d / %d", index, consumer.count, total)
+        try:
+            wait_for(
+                lambda: consumer.count >= total, timeout=ns.settle, interval=0.2, what="every job"
+            )
+        except TimeoutError:
+            progress(
+                "run %d: only %d of %d received; beat log:\n%s",
+                index,
+                consumer.count,
+                total,
+                beat.tail(),
+            )
+        beat.stop()
+        consumer.stop()
+        received = [(float(m.args[0]), m.received) for m in consumer.messages()]
+        lags_ms = [(got - due) * 1000 for due, got in received]
+        # Where in the stream the lag piles up: the worst seconds of due time.
+        worst: dict[int, float] = {}
+        for due, got in received:
+            second = int(due - first_due)
+            worst[second] = max(worst.get(second, 0.0), (got - due) * 1000)
+        worst_seconds = sorted(worst.items(), key=lambda item: -item[1])[:8]
+        events = [
+            line
+            for line in beat.tail(200_000).splitlines()
+            if any(word in line for word in ("sweep", "WARNING", "reconciler", "ERROR"))
+        ]
+        count, pg_p50, pg_p99, pg_max = run.query(PG_LAG_SQL)[0]
+        result = {
+            "jobs": total,
+            "received": len(lags_ms),
+            "p50_ms": rounded(percentile(lags_ms, 50), 1),
+            "p99_ms": rounded(percentile(lags_ms, 99), 1),
+            "max_ms": rounded(max(lags_ms) if lags_ms else None, 1),
+            "pg_dispatched": int(count),
+            "pg_p50_ms": rounded(pg_p50, 1),
+            "pg_p99_ms": rounded(pg_p99, 1),
+            "pg_max_ms": rounded(pg_max, 1),
+            "insert_s": round(insert_s, 2),
+            "future_load_s": round(load_s, 1),
+            "worst_due_seconds": {str(k): round(v, 1) for k, v in worst_seconds},
+        }
+        progress("run %d: %s", index, result)
+        progress("run %d: beat events (T0 = %.3f):\n%s", index, t0, "\n".join(events[-20:]))
+        return result
+    finally:
+        if consumer.is_alive():
+            consumer.stop()
+        run.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rate", type=float, default=2000.0, help="jobs due per second")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of the stream")
+    parser.add_argument("--future", type=int, default=1_000_000, help="jobs due >= 1 day ahead")
+    parser.add_argument("--lead", type=float, default=20.0, help="T0 to the first due job, s")
+    parser.add_argument("--settle", type=float, default=30.0, help="wait after the last due, s")
+    parser.add_argument("--runs", type=int, default=1)
+    ns = parser.parse_args()
+
+    load_start = load_avg()
+    runs = [run_once(ns, i + 1) for i in range(ns.runs)]
+
+    def med(name: str) -> float | None:
+        values = [r[name] for r in runs if r[name] is not None]
+        return rounded(median(values), 1)
+
+    p99 = med("p99_ms")
+    complete = all(r["received"] >= r["jobs"] for r in runs)
+    emit(
+        {
+            "benchmark": "lag",
+            "broker": "redis",
+            "rate": ns.rate,
+            "seconds": ns.seconds,
+            "future": ns.future,
+            "measured_by": "raw consumer receive time - due epoch (args[0])",
+            "runs": runs,
+            "p50_ms": med("p50_ms"),
+            "p99_ms": p99,
+            "max_ms": med("max_ms"),
+            "pg_p50_ms": med("pg_p50_ms"),
+            "pg_p99_ms": med("pg_p99_ms"),
+            "pg_max_ms": med("pg_max_ms"),
+            "all_received": complete,
+            "targets": {"p99_ms": TARGET_P99_MS},
+            "met": {"p99_ms": bool(complete and p99 is not None and p99 < TARGET_P99_MS)},
+            "load_avg_1m_start": load_start,
+            "load_avg_1m_end": load_avg(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
