@@ -23,6 +23,10 @@ from celery_sched.validation import JobBuilder
 
 logger = logging.getLogger(__name__)
 
+#: How far past the staging window ``schedule_many`` keeps candidates for
+#: staging, to cover the time its insert takes.
+STAGING_SLACK = dt.timedelta(minutes=5)
+
 #: Keys of a ``schedule_many`` row that are not scheduling options.
 _ROW_FIELDS = frozenset(
     {"task", "task_name", "args", "kwargs", "eta", "countdown", "key", "check_task"}
@@ -151,8 +155,13 @@ class Client:
         near: list[tuple[int, uuid.UUID, dt.datetime]] = []
         count = self.store.insert_rows(self._build_rows(rows, near))
         logger.info("scheduled %d jobs in bulk", count)
-        if near:
-            self._stage(near)
+        # The leader's stager may have moved its horizon past some of these
+        # while the insert ran (it cannot see uncommitted rows), so the
+        # window is measured from the commit, not from the start.
+        horizon = self._staging_horizon()
+        due_soon = [item for item in near if item[2] <= horizon]
+        if due_soon:
+            self._stage(due_soon)
         return count
 
     def _build_rows(
@@ -171,7 +180,9 @@ class Client:
             return now_cache[0]
 
         fields = _ROW_FIELDS
-        horizon = self._staging_horizon()
+        # Candidates for staging after the commit: a long insert moves the
+        # window, so collect a margin beyond it.
+        horizon = self._staging_horizon() + STAGING_SLACK
         for index, row in enumerate(rows):
             try:
                 if type(row) is not dict and not isinstance(row, Mapping):

@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: Longest a failing leader backs off before trying its dependencies again.
 MAX_BACKOFF = 5.0
+#: A leader pass longer than this many seconds is logged with its breakdown.
+SLOW_PASS = 0.5
 
 
 @dataclasses.dataclass
@@ -173,17 +175,29 @@ class Engine:
 
     def _lead(self, epoch: int) -> float:
         now = self._clock()
+        timings: list[tuple[str, float]] = []
         if now >= self._next_stage:
             self._stage()
             self._next_stage = now + self._stage_interval
+            timings.append(("stage", self._clock()))
         more = self._pop_and_publish(epoch)
+        timings.append(("pop", self._clock()))
         if now >= self._next_sweep:
             swept = self._sweep(epoch)
             more = more or swept >= self.settings.batch_size
             self._next_sweep = now + self.settings.sweep_interval
+            timings.append(("sweep", self._clock()))
         if now >= self._next_reconcile:
             self._reconcile(epoch)
             self._next_reconcile = now + self.settings.reconcile_interval
+            timings.append(("reconcile", self._clock()))
+        if timings[-1][1] - now > SLOW_PASS:
+            # A slow pass delays every job due meanwhile; say where it went.
+            parts, start = [], now
+            for name, at in timings:
+                parts.append(f"{name} {at - start:.3f}s")
+                start = at
+            logger.warning("slow leader pass: %s", ", ".join(parts))
         if more:
             return 0.0
         return self._sleep_time()

@@ -344,3 +344,21 @@ def test_staging_false_never_builds_a_redis_client(
     client.schedule("tests.add", (1,))
     client.schedule_many([{"task": "tests.add"}])
     assert store.counts_by_status() == {JobStatus.PENDING: 2}
+
+
+def test_schedule_many_measures_the_window_from_the_commit(
+    client: Client, staging: MemoryStaging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The insert takes a while; the leader's stager meanwhile moved its
+    # horizon. Jobs that entered the window during the insert are staged.
+    start = dt.datetime.now(dt.UTC)
+    horizons = iter([start + dt.timedelta(seconds=60), start + dt.timedelta(seconds=90)])
+    monkeypatch.setattr(client, "_staging_horizon", lambda: next(horizons))
+    rows = [
+        {"task": "tests.add", "eta": start + dt.timedelta(seconds=s), "key": f"k{s}"}
+        for s in (30, 75, 600)
+    ]
+    client.schedule_many(rows)
+    staged = staging.pop_due(0, start + dt.timedelta(hours=1), 10)
+    keys = {job.key for job in (client.store.get_by_id(i) for i in staged) if job}
+    assert keys == {"k30", "k75"}
