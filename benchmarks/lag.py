@@ -170,7 +170,7 @@ def run_once(ns: argparse.Namespace, index: int) -> dict[str, Any]:
     finally:
         if consumer.is_alive():
             consumer.stop()
-        run.cleanup(keep_logs=True)
+        run.cleanup()
 
 
 def main() -> None:
