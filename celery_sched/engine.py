@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from celery_sched.errors import (
@@ -104,6 +105,7 @@ class Engine:
         # Frequent small increments: each pass reads and stages only what
         # entered the window since the last one, so no pass stalls the loop.
         self._stage_interval = max(0.25, min(settings.staging_window / 4, 1.0))
+        self._claimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="celery_sched-claim")
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -116,6 +118,7 @@ class Engine:
         try:
             self.elector.stop()
         finally:
+            self._claimer.shutdown(wait=True)
             self.dispatcher.close()
 
     @property
@@ -258,23 +261,49 @@ class Engine:
         return len(ids) >= self.settings.batch_size
 
     def _sweep(self, epoch: int) -> int:
-        """Claim due pending rows straight from Postgres (the fallback path)."""
+        """Claim due pending rows straight from Postgres (the fallback path).
+
+        Through a backlog, the next batch is claimed on a helper thread while
+        this one is published, so Postgres and the broker work at the same
+        time instead of taking turns.
+        """
+        if not self.elector.is_leader():
+            return 0
         total = 0
-        while self.elector.is_leader():
-            jobs = self.store.claim_due(
-                shard=self.shard, epoch=epoch, limit=self.settings.batch_size
-            )
-            if not jobs:
-                break
-            self._publish(jobs, epoch)
-            total += len(jobs)
-            if len(jobs) < self.settings.batch_size:
-                break
-            # A backlog: yield to staged (time-critical) ids between batches.
-            self._pop_and_publish(epoch)
+        batch = self.settings.batch_size
+        ahead: Future[list[Job]] | None = self._claimer.submit(self._claim_batch, epoch)
+        try:
+            while ahead is not None:
+                jobs = ahead.result()
+                ahead = None
+                if not jobs:
+                    break
+                if len(jobs) >= batch and self.elector.is_leader():
+                    ahead = self._claimer.submit(self._claim_batch, epoch)
+                self._publish(jobs, epoch)
+                total += len(jobs)
+                if ahead is not None:
+                    # A backlog: yield to staged (time-critical) ids too.
+                    self._pop_and_publish(epoch)
+        finally:
+            if ahead is not None:
+                self._release_claimed_ahead(ahead, epoch)
         if total:
             logger.info("sweep claimed %d due jobs from Postgres", total)
         return total
+
+    def _claim_batch(self, epoch: int) -> list[Job]:
+        return self.store.claim_due(shard=self.shard, epoch=epoch, limit=self.settings.batch_size)
+
+    def _release_claimed_ahead(self, ahead: Future[list[Job]], epoch: int) -> None:
+        # The pass failed while a batch was being claimed ahead: hand those
+        # jobs back (or, if that fails too, leave them to the reconciler).
+        try:
+            jobs = ahead.result()
+        except CelerySchedError:
+            return
+        if jobs:
+            self._settle("release", [job.id for job in jobs], epoch)
 
     def _publish(self, jobs: Sequence[Job], epoch: int) -> None:
         if not jobs:

@@ -373,3 +373,17 @@ def test_backlog_is_drained_in_batches_without_sleeping(rig: Rig) -> None:
     engine.step()
     assert sorted(rig.dispatcher.sent_ids()) == sorted(ids)
     assert len(set(rig.dispatcher.sent_ids())) == len(ids)
+
+
+def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> None:
+    ids = [rig.add(-1) for _ in range(rig.settings.batch_size * 3)]
+    elector = rig.elector("a")
+    elector.try_acquire()
+    engine = rig.engine(elector)
+    rig.dispatcher.set_down(True)
+    engine.step()
+    # The failing batch and the one claimed ahead of it both went back.
+    assert {rig.status(i) for i in ids} == {JobStatus.PENDING}
+    rig.dispatcher.set_down(False)
+    rig.run(engine, rig.settings.sweep_interval + 1)
+    assert sorted(rig.dispatcher.sent_ids()) == sorted(ids)
