@@ -1,0 +1,81 @@
+"""Our message headers are exactly what Celery's own as_task_v2 builds."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from celery import Celery
+
+from celery_sched.dispatch import (
+    HEADER_ATTEMPT,
+    HEADER_EPOCH,
+    HEADER_KEY,
+    base_headers,
+    message_headers,
+)
+from celery_sched.settings import Settings
+from celery_sched.store.memory import MemoryJobStore
+from celery_sched.validation import JobBuilder
+
+OURS = {HEADER_KEY, HEADER_ATTEMPT, HEADER_EPOCH, "celery_beat_task"}
+
+
+def _stored(app: Celery, **options: object) -> tuple[object, dict[str, object]]:
+    store = MemoryJobStore()
+    builder = JobBuilder(app, Settings())
+    new = builder.build(
+        "proj.add",
+        (2, "x" * 300),
+        {"flag": True, "nested": {"a": [1, 2]}},
+        eta=dt.datetime(2030, 1, 1, tzinfo=dt.UTC),
+        countdown=None,
+        key="k1",
+        check_task=True,
+        now=store.now,
+        options=dict(options),
+    )
+    return store.insert(new), dict(options)
+
+
+def _celery_headers(app: Celery, job: object, **extra: object) -> dict[str, object]:
+    args, kwargs = job.decode()  # type: ignore[attr-defined]
+    message = app.amqp.as_task_v2(
+        str(job.id),  # type: ignore[attr-defined]
+        job.task,  # type: ignore[attr-defined]
+        args,
+        kwargs,
+        root_id=str(job.id),  # type: ignore[attr-defined]
+        origin="celery_sched@test",
+        **extra,
+    )
+    return dict(message.headers)
+
+
+def _app() -> Celery:
+    app = Celery("proj", set_as_current=False)
+
+    @app.task(name="proj.add", shared=False)
+    def add(a: int, b: str, flag: bool, nested: dict[str, list[int]]) -> None:
+        """A task for the header comparison."""
+
+    return app
+
+
+def test_headers_match_celerys_as_task_v2() -> None:
+    app = _app()
+    job, _ = _stored(app)
+    ours = message_headers(base_headers(origin="celery_sched@test", epoch=3), job, str(job.id))  # type: ignore[arg-type]
+    theirs = _celery_headers(app, job)
+    assert {k: v for k, v in ours.items() if k not in OURS} == theirs
+    assert ours[HEADER_KEY] == "k1" and ours[HEADER_EPOCH] == 3 and ours["celery_beat_task"]
+
+
+def test_headers_with_limits_and_expiry_match_celery() -> None:
+    app = _app()
+    expires = dt.datetime(2030, 1, 1, 1, tzinfo=dt.UTC)
+    job, _ = _stored(app, time_limit=30, soft_time_limit=20, expires=expires)
+    ours = message_headers(base_headers(origin="celery_sched@test", epoch=1), job, str(job.id))  # type: ignore[arg-type]
+    theirs = _celery_headers(app, job, time_limit=30, soft_time_limit=20, expires=expires)
+    assert {k: v for k, v in ours.items() if k not in OURS} == theirs
+    assert uuid.UUID(str(ours["id"])) == job.id  # type: ignore[attr-defined]
