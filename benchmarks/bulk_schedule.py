@@ -34,6 +34,7 @@ from celery import Celery
 from celery_sched.client import Client
 from celery_sched.models import NewJob
 from celery_sched.settings import Settings
+from celery_sched.store.postgres import COPY_COLUMNS
 from celery_sched.validation import JobBuilder
 
 DATABASE_URL = os.environ.get(
@@ -42,27 +43,6 @@ DATABASE_URL = os.environ.get(
 TASK = "bench.noop"
 TARGET_RATE = 100_000.0
 TARGET_RATIO = 0.5
-
-# The columns and binary types the store's COPY writes (the rest default).
-COPY_COLUMNS = (
-    ("id", "uuid"),
-    ("key", "text"),
-    ("task", "text"),
-    ("body", "bytea"),
-    ("content_type", "text"),
-    ("content_encoding", "text"),
-    ("argsrepr", "text"),
-    ("kwargsrepr", "text"),
-    ("options", "jsonb"),
-    ("due_at", "timestamptz"),
-    ("due_bucket", "int4"),
-    ("expires_at", "timestamptz"),
-    ("max_attempts", "int4"),
-    ("shard", "int2"),
-    ("schedule_id", "int8"),
-    ("visibility_timeout", "float8"),
-    ("max_runtime", "float8"),
-)
 
 
 def make_app() -> Celery:

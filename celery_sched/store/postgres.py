@@ -102,7 +102,7 @@ _UNIQUE_DETAIL = re.compile(r"Key \((?P<column>\w+)\)=\((?P<value>.*)\) already 
 
 # The columns COPY writes, in order, with their binary COPY types. The rest
 # (status, attempt, created_at, ...) take their server defaults.
-_COPY_COLUMNS: tuple[tuple[str, str], ...] = (
+COPY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("id", "uuid"),
     ("key", "text"),
     ("task", "text"),
@@ -234,11 +234,11 @@ class _Queries:
         self.insert_or_nothing = (
             pg_insert(jobs).on_conflict_do_nothing(index_elements=[c.key]).returning(*c)
         )
-        columns = ", ".join(f'"{name}"' for name, _ in _COPY_COLUMNS)
+        columns = ", ".join(f'"{name}"' for name, _ in COPY_COLUMNS)
         self.copy_sql = f'COPY "{schema}".jobs ({columns}) FROM STDIN (FORMAT BINARY)'
         self.analyze_sql = f'ANALYZE "{schema}".jobs'
-        self.copy_types = [kind for _, kind in _COPY_COLUMNS]
-        assert tuple(name for name, _ in _COPY_COLUMNS) == NEW_JOB_ROW
+        self.copy_types = [kind for _, kind in COPY_COLUMNS]
+        assert tuple(name for name, _ in COPY_COLUMNS) == NEW_JOB_ROW
 
         # -- claims (the hot path) --
         # The scan walks the partial pending index of one shard in due order
