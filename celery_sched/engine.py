@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF = 5.0
 #: A leader pass longer than this many seconds is logged with its breakdown.
 SLOW_PASS = 0.5
+#: While the sweep drains a backlog, staged ids are served every this many batches.
+STAGED_EVERY = 4
 
 
 @dataclasses.dataclass
@@ -270,6 +272,7 @@ class Engine:
         if not self.elector.is_leader():
             return 0
         total = 0
+        batches = 0
         batch = self.settings.batch_size
         ahead: Future[list[Job]] | None = self._claimer.submit(self._claim_batch, epoch)
         try:
@@ -282,8 +285,11 @@ class Engine:
                     ahead = self._claimer.submit(self._claim_batch, epoch)
                 self._publish(jobs, epoch)
                 total += len(jobs)
-                if ahead is not None:
-                    # A backlog: yield to staged (time-critical) ids too.
+                batches += 1
+                if ahead is not None and batches % STAGED_EVERY == 0:
+                    # A backlog: let staged (time-critical) ids through too,
+                    # though not after every batch: staged copies of the
+                    # backlog itself would only be popped to be found taken.
                     self._pop_and_publish(epoch)
         finally:
             if ahead is not None:
