@@ -233,22 +233,16 @@ class MemoryJobStore(JobStore):
         ]
 
     def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
-        with self._lock:
-            moved = 0
-            for job_id in set(ids):
-                job = self._jobs.get(job_id)
-                if (
-                    job is not None
-                    and job.status == JobStatus.DISPATCHED
-                    and job.leader_epoch == epoch
-                ):
-                    self._update(job, status=JobStatus.PENDING, dispatched_at=None)
-                    moved += 1
-            return moved
+        return self._move_fenced(ids, epoch, status=JobStatus.PENDING, dispatched_at=None)
 
     def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+        return self._move_fenced(
+            ids, epoch, status=JobStatus.EXPIRED, finished_at=self.now(), last_error=reason
+        )
+
+    def _move_fenced(self, ids: Sequence[uuid.UUID], epoch: int, **changes: Any) -> int:
+        """Apply ``changes`` to the dispatched jobs among ``ids`` claimed by ``epoch``."""
         with self._lock:
-            now = self.now()
             moved = 0
             for job_id in set(ids):
                 job = self._jobs.get(job_id)
@@ -257,7 +251,7 @@ class MemoryJobStore(JobStore):
                     and job.status == JobStatus.DISPATCHED
                     and job.leader_epoch == epoch
                 ):
-                    self._update(job, status=JobStatus.EXPIRED, finished_at=now, last_error=reason)
+                    self._update(job, **changes)
                     moved += 1
             return moved
 
