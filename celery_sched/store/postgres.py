@@ -549,7 +549,16 @@ class PostgresJobStore(JobStore):
 
     def _create_engine(self) -> Engine:
         s = self._settings
-        options = f"-c statement_timeout={round(s.statement_timeout * 1000)} -c TimeZone=UTC"
+        # A leader paused (SIGSTOP, GC, VM freeze) inside a claim holds the
+        # FOR SHARE lock on its shard's leaders row, which the next leader's
+        # epoch bump must wait for. Ending sessions idle in a transaction for
+        # longer than the lease TTL bounds that wait; the paused claim rolls
+        # back and, on waking, meets the new epoch.
+        idle_ms = max(1000, round(s.lease_ttl * 1000))
+        options = (
+            f"-c statement_timeout={round(s.statement_timeout * 1000)} -c TimeZone=UTC "
+            f"-c idle_in_transaction_session_timeout={idle_ms}"
+        )
         # SQLAlchemy opens connections on demand and keeps up to pool_size of
         # them, so pool_max_size bounds the pool and nothing is opened early.
         return create_engine(
