@@ -1,7 +1,9 @@
 """celery_sched: a Celery beat replacement backed by PostgreSQL and Redis.
 
-Public names: :class:`Client`, :class:`Job`, :class:`JobStatus`
-and the exceptions in :mod:`celery_sched.errors`.
+Public names: :class:`Client`, :class:`Task` (the idempotent task base
+class), :class:`Job`, :class:`JobStatus`, :class:`ScheduleInfo`, the schedule
+policies, ``clocked`` (a one-off schedule for ``beat_schedule``) and the
+exceptions in :mod:`celery_sched.errors`.
 """
 
 from __future__ import annotations
@@ -18,17 +20,22 @@ from celery_sched.errors import (
     InvalidSchedule,
     InvalidTime,
     InvalidURL,
+    LedgerConflict,
     NonExistentTime,
     PayloadTooLarge,
+    ScheduleExists,
     StoreUnavailable,
     UnknownOption,
+    UnknownSchedule,
     UnknownTask,
     UnknownTimezone,
 )
-from celery_sched.models import Job, JobStatus
+from celery_sched.models import Job, JobStatus, MisfirePolicy, OverlapPolicy, ScheduleInfo
 
 if TYPE_CHECKING:
     from celery_sched.client import Client
+    from celery_sched.schedules import clocked
+    from celery_sched.task import Task
 
 __version__ = "0.1.0"
 
@@ -45,12 +52,20 @@ __all__ = [
     "InvalidURL",
     "Job",
     "JobStatus",
+    "LedgerConflict",
+    "MisfirePolicy",
     "NonExistentTime",
+    "OverlapPolicy",
     "PayloadTooLarge",
+    "ScheduleExists",
+    "ScheduleInfo",
     "StoreUnavailable",
+    "Task",
     "UnknownOption",
+    "UnknownSchedule",
     "UnknownTask",
     "UnknownTimezone",
+    "clocked",
 ]
 
 
@@ -61,4 +76,12 @@ def __getattr__(name: str) -> Any:
         from celery_sched.client import Client
 
         return Client
+    if name == "clocked":
+        from celery_sched.schedules import clocked
+
+        return clocked
+    if name == "Task":
+        from celery_sched.task import Task
+
+        return Task
     raise AttributeError(f"module 'celery_sched' has no attribute {name!r}")

@@ -13,7 +13,7 @@ from celery_sched.settings import Settings
 if TYPE_CHECKING:
     import redis
 
-    from celery_sched.interfaces import Dispatcher, JobStore, LeaseBackend, Staging
+    from celery_sched.interfaces import Dispatcher, JobStore, LeaseBackend, Ledger, Staging
 
 
 def build_store(settings: Settings) -> JobStore:
@@ -57,3 +57,17 @@ def build_dispatcher(app: Any, settings: Settings) -> Dispatcher:
     from celery_sched.dispatch.kombu import KombuDispatcher
 
     return KombuDispatcher(app, settings)
+
+
+def build_ledger(settings: Settings, store: JobStore | None = None) -> Ledger:
+    """The PostgreSQL idempotency ledger (lazy: connects on first use).
+
+    Given the PostgreSQL job store of the same settings, the ledger shares
+    its connection pool; otherwise it builds (and closes) a store of its own.
+    """
+    from celery_sched.store.ledger_postgres import PostgresLedger
+    from celery_sched.store.postgres import PostgresJobStore
+
+    if isinstance(store, PostgresJobStore) and store._settings == settings:
+        return PostgresLedger(store)
+    return PostgresLedger(PostgresJobStore(settings), owns_store=True)

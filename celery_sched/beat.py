@@ -5,6 +5,14 @@ of the :class:`~celery_sched.engine.Engine` and returns how long to sleep.
 Constructed with ``lazy=True`` (as the start-up banner does) it connects to
 nothing. It touches neither SQL nor Redis itself: it wires the backends built
 by :mod:`celery_sched.backends` into the engine.
+
+Periodic schedules: at setup it reads the app's static schedules
+(``beat_schedule``, ``add_periodic_task`` entries, ``@app.task(base=Task,
+schedule=...)``, and beat's own ``celery.backend_cleanup`` when beat would add
+it) and hands them to the engine's planner, whose leader writes them into
+PostgreSQL. It keeps no per-entry state: ``self.data`` stays empty, and what
+is due is read from the store a batch at a time, so memory does not grow with
+the number of schedules stored.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class Scheduler(beat.Scheduler):
     def setup_schedule(self) -> None:
         from celery_sched.backends import (
             build_dispatcher,
+            build_ledger,
             build_redis,
             build_staging,
             build_store,
@@ -47,8 +56,12 @@ class Scheduler(beat.Scheduler):
         from celery_sched.backends import build_lease as build_lease_backend
         from celery_sched.engine import Engine
         from celery_sched.lease import LeaderElector
+        from celery_sched.planner import Planner
 
         settings = self.settings
+        # Before connecting anywhere: an invalid entry stops beat at once,
+        # naming the entry, as stock beat does.
+        static = self._static_specs()
         store = build_store(settings)
         # Idempotent and serialized by an advisory lock, so every beat of a
         # fleet may run it at start; the first one creates the schema.
@@ -68,14 +81,45 @@ class Scheduler(beat.Scheduler):
             dispatcher=build_dispatcher(self.app, settings),
             elector=elector,
             settings=settings,
+            planner=Planner(store, settings, app=self.app, static=static),
+            ledger=build_ledger(settings, store),
         )
         self._engine.start()
         logger.info(
-            "celery_sched: shard %d competing for the lease (store %s, redis %s)",
+            "celery_sched: shard %d competing for the lease (store %s, redis %s); "
+            "%d periodic schedules in code",
             settings.shard,
             settings.safe_database_url,
             settings.safe_redis_url,
+            len(static),
         )
+
+    def _static_specs(self) -> list[Any]:
+        """The code's periodic schedules, plus ``celery.backend_cleanup`` where
+        stock beat installs it (results that expire on a backend that cannot
+        expire them itself)."""
+        from celery.schedules import crontab
+
+        from celery_sched import schedules
+
+        specs = schedules.specs_from_app(self.app)
+        cleanup = "celery.backend_cleanup"
+        if (
+            self.app.conf.result_expires
+            and not self.app.backend.supports_autoexpire
+            and all(spec.name != cleanup for spec in specs)
+        ):
+            specs.append(
+                schedules.make_spec(
+                    cleanup,
+                    cleanup,
+                    crontab("0", "4", "*"),
+                    app=self.app,
+                    options={"expires": 12 * 3600},
+                    source="static",
+                )
+            )
+        return specs
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self._engine is None:
@@ -107,4 +151,19 @@ class Scheduler(beat.Scheduler):
             lines.insert(0, f"    . role -> {self._engine.role} (epoch {self._engine.epoch})")
         else:
             lines.insert(0, "    . role -> not started")
+        lines.append(f"    . schedules -> {self._schedule_count()}")
         return "\n".join(lines)
+
+    def _schedule_count(self) -> str:
+        """How many periodic schedules the code defines (counted without
+        validating them; the store may hold more, added through the API)."""
+        entries = len(self.app.conf.beat_schedule or {})
+        decorated = sum(
+            1
+            for task in self.app.tasks.values()
+            if getattr(task, "periodic_schedule", None) is not None
+        )
+        return (
+            f"{entries + decorated} in code ({entries} beat_schedule, {decorated} decorated); "
+            "all stored ones: celery -A proj sched schedules"
+        )

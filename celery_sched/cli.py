@@ -1,4 +1,4 @@
-"""``celery -A proj sched ...``: schema migration, status and pruning.
+"""``celery -A proj sched ...``: schema migration, status, pruning and reconciling.
 
 Registered through the ``celery.commands`` entry point, so Celery loads the
 app and hands it over as ``ctx.obj.app``. The only module that prints; every
@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from celery_sched.client import Client
-from celery_sched.errors import CelerySchedError
+from celery_sched.errors import CelerySchedError, StaleEpoch
 from celery_sched.models import JobStatus
 from celery_sched.settings import Settings
 
@@ -48,7 +48,7 @@ def _client(ctx: click.Context) -> Client:
 
 @click.group(name="sched")
 def sched() -> None:
-    """celery_sched: the PostgreSQL-backed scheduler (migrate, status, prune)."""
+    """celery_sched (the PostgreSQL scheduler): migrate, status, schedules, prune, reconcile."""
 
 
 @sched.command()
@@ -99,22 +99,143 @@ def status(ctx: click.Context, by_hour: bool, status_filter: str | None) -> None
 
 
 @sched.command()
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most this many.")
+@click.option("--after", default=None, help="Only schedules named after this (paging).")
+@click.pass_context
+def schedules(ctx: click.Context, limit: int | None, after: str | None) -> None:
+    """List periodic schedules: name, kind, next run, last run, state."""
+    client = _client(ctx)
+    with _clean_errors(), client:
+        infos = client.schedules.list(after=after, limit=limit)
+        counts = client.schedules.counts()
+    if not infos:
+        click.echo("No periodic schedules.")
+        return
+
+    def when(value: Any) -> str:
+        return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%SZ")
+
+    rows = [
+        (
+            info.name,
+            info.kind,
+            when(info.next_run_at),
+            when(info.last_run_at)
+            + (f" ({info.last_status.value})" if info.last_status is not None else ""),
+            info.state + (" (code)" if info.source == "static" else ""),
+        )
+        for info in infos
+    ]
+    header = ("name", "kind", "next run (UTC)", "last run (UTC)", "state")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    total = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    click.echo(f"{len(infos)} shown; stored: {total or 'none'}.")
+
+
+@sched.command()
 @click.option(
     "--older-than",
     type=click.FloatRange(min=0),
     default=None,
     help="Seconds since a job finished (default: celery_sched_retention).",
 )
+@click.option(
+    "--ledger-older-than",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds since an idempotency-ledger entry completed "
+    "(default: celery_sched_ledger_retention).",
+)
 @click.pass_context
-def prune(ctx: click.Context, older_than: float | None) -> None:
-    """Delete finished jobs older than the retention."""
+def prune(ctx: click.Context, older_than: float | None, ledger_older_than: float | None) -> None:
+    """Delete finished jobs and completed idempotency-ledger entries older than the retention."""
+    from celery_sched.backends import build_ledger
+
     client = _client(ctx)
     settings = client.settings
-    if older_than is None:
-        if settings.retention <= 0:
-            click.echo("celery_sched_retention is 0: finished jobs are kept; nothing pruned.")
-            return
+    if older_than is None and settings.retention > 0:
         older_than = settings.retention
+    if ledger_older_than is None and settings.ledger_retention > 0:
+        ledger_older_than = settings.ledger_retention
     with _clean_errors(), client:
-        deleted = client.store.prune(older_than=older_than, batch=settings.prune_batch)
-    click.echo(f"Pruned {deleted} finished job(s) older than {older_than:g}s.")
+        if older_than is None:
+            click.echo("celery_sched_retention is 0: finished jobs are kept; nothing pruned.")
+        else:
+            deleted = client.store.prune(older_than=older_than, batch=settings.prune_batch)
+            click.echo(f"Pruned {deleted} finished job(s) older than {older_than:g}s.")
+        if ledger_older_than is None:
+            click.echo(
+                "celery_sched_ledger_retention is 0: ledger entries are kept; nothing pruned."
+            )
+        else:
+            ledger = build_ledger(settings, client.store)
+            try:
+                entries = ledger.prune(older_than=ledger_older_than, batch=settings.prune_batch)
+            finally:
+                ledger.close()
+            click.echo(
+                f"Pruned {entries} idempotency-ledger entr{'y' if entries == 1 else 'ies'} "
+                f"older than {ledger_older_than:g}s."
+            )
+
+
+@sched.command()
+@click.option(
+    "--shard",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The shard to reconcile (default: celery_sched_shard).",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Jobs moved per transaction (default: 10 x celery_sched_batch_size).",
+)
+@click.pass_context
+def reconcile(ctx: click.Context, shard: int | None, limit: int | None) -> None:
+    """Run the reconciler now, fenced by the shard's current leader epoch.
+
+    Jobs dispatched longer ago than their visibility timeout, and running
+    jobs past their max_runtime, go back to pending (attempt + 1), or become
+    dead past max_attempts. The leader dispatches the requeued jobs again.
+    """
+    client = _client(ctx)
+    settings = client.settings
+    shard = settings.shard if shard is None else shard
+    if shard >= settings.shards:
+        raise click.UsageError(f"--shard must be below celery_sched_shards ({settings.shards})")
+    limit = limit or settings.batch_size * 10
+    requeued = dead = timed_out = 0
+    with _clean_errors(), client:
+        epoch = client.store.current_epoch(shard)
+        if epoch == 0:
+            raise click.ClickException(
+                f"shard {shard} has never had a leader, so nothing was dispatched and there is "
+                "nothing to reconcile; start a beat (its leader runs the reconciler too)"
+            )
+        while True:
+            try:
+                result = client.store.reconcile(
+                    shard=shard,
+                    epoch=epoch,
+                    limit=limit,
+                    default_visibility_timeout=settings.visibility_timeout,
+                )
+            except StaleEpoch as exc:
+                raise click.ClickException(
+                    f"StaleEpoch: {exc}. A new leader took over during the pass (after this "
+                    f"command requeued {requeued} and marked {dead} dead); its reconciler "
+                    "carries on. Run the command again to reconcile now."
+                ) from exc
+            requeued += result.requeued
+            dead += result.dead
+            timed_out += result.timed_out
+            if result.requeued + result.dead < limit:
+                break
+    click.echo(
+        f"Shard {shard} (epoch {epoch}): requeued {requeued} job(s), marked {dead} dead; "
+        f"{timed_out} of them were running past their max_runtime."
+    )

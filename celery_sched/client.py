@@ -9,17 +9,32 @@ through the :class:`~celery_sched.interfaces.JobStore` interface only.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
-from celery_sched.errors import CelerySchedError, InvalidJob
+from celery_sched.errors import (
+    CelerySchedError,
+    InvalidJob,
+    InvalidSchedule,
+    StoreError,
+    UnknownSchedule,
+)
 from celery_sched.interfaces import JobStore, Staging
-from celery_sched.models import Job, JobStatus, NewJobRow
+from celery_sched.models import (
+    Job,
+    JobStatus,
+    NewJobRow,
+    NewSchedule,
+    ScheduleInfo,
+    ScheduleRuns,
+    StoredSchedule,
+)
 from celery_sched.settings import Settings
-from celery_sched.validation import JobBuilder
+from celery_sched.validation import JobBuilder, _UUID7Source
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +73,7 @@ class Client:
         self._staging: Staging | None = staging or None
         self._stage_new_jobs = staging is not False
         self._builder: JobBuilder | None = None
+        self._schedules: ScheduleManager | None = None
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -75,6 +91,13 @@ class Client:
         if self._builder is None:
             self._builder = JobBuilder(self.app, self.settings)
         return self._builder
+
+    @property
+    def schedules(self) -> ScheduleManager:
+        """Periodic schedules: add, update, pause, resume, delete, trigger, list."""
+        if self._schedules is None:
+            self._schedules = ScheduleManager(self)
+        return self._schedules
 
     def migrate(self) -> None:
         """Create or upgrade the schema (idempotent)."""
@@ -242,3 +265,373 @@ class Client:
     def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
         """Number of jobs per UTC hour of their due time."""
         return self.store.counts_by_hour(status)
+
+
+# -- periodic schedules ----------------------------------------------------------------
+
+#: The named fields of a schedule; every other keyword of ``add`` / ``update``
+#: is a per-occurrence option (``queue``, ``priority``, ``expires``, ...).
+_SCHEDULE_FIELDS = frozenset(
+    {
+        "task",
+        "schedule",
+        "args",
+        "kwargs",
+        "timezone",
+        "misfire",
+        "overlap",
+        "catchup_window",
+        "max_catchup",
+        "relative",
+    }
+)
+
+#: Attempts of ``update`` when a concurrent change moved the version under it.
+_UPDATE_ATTEMPTS = 3
+
+
+class ScheduleManager:
+    """``client.schedules``: periodic schedules managed at runtime, without a restart.
+
+    Every change is one transaction and takes effect within one leader tick:
+    the planner re-reads the changed row, and the schedule's occurrences
+    already materialized but not yet due are withdrawn first, so none of
+    them fires with the old definition. Invalid input raises an
+    :class:`~celery_sched.errors.InvalidSchedule` (or
+    :class:`~celery_sched.errors.UnknownTimezone`) naming the problem and
+    writes nothing.
+
+    Schedules defined in code (``beat_schedule``, task decorators) are
+    re-synced by the leader at every election: they can be paused, resumed
+    and triggered here, but are changed or removed in the code.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._ids = _UUID7Source()
+
+    @property
+    def _store(self) -> JobStore:
+        return self._client.store
+
+    # -- writing ----------------------------------------------------------------
+
+    def add(
+        self,
+        name: str,
+        task: str,
+        schedule: Any,
+        *,
+        args: Any = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timezone: str | None = None,
+        misfire: str | None = None,
+        overlap: str | None = None,
+        catchup_window: float | None = None,
+        max_catchup: int | None = None,
+        relative: bool = False,
+        check_task: bool = True,
+        **options: Any,
+    ) -> ScheduleInfo:
+        """Add a periodic schedule and return it.
+
+        ``schedule`` is anything ``celery beat`` accepts (a ``crontab``, a
+        ``schedule``, a ``timedelta`` or seconds, a ``solar``), a
+        :class:`celery_sched.schedules.clocked` one-off or a cron string.
+        ``options`` are per-occurrence options (``queue``, ``exchange``,
+        ``routing_key``, ``priority``, ``headers``, ``expires`` in seconds).
+        A name already taken raises :class:`~celery_sched.errors.ScheduleExists`.
+        """
+        row = self._row(
+            {
+                "name": name,
+                "task": task,
+                "schedule": schedule,
+                "args": args,
+                "kwargs": kwargs,
+                "timezone": timezone,
+                "misfire": misfire,
+                "overlap": overlap,
+                "catchup_window": catchup_window,
+                "max_catchup": max_catchup,
+                "relative": relative,
+                "options": options,
+            },
+            now=self._store.now(),
+            check_task=check_task,
+        )
+        self._store.add_schedules([row])
+        logger.info("added schedule %s (%s %s)", name, row.kind, dict(row.spec))
+        info = self.get(name)
+        assert info is not None
+        return info
+
+    def add_many(self, entries: Iterable[Mapping[str, Any]], *, check_task: bool = True) -> int:
+        """Add many schedules in one all-or-nothing write; return how many.
+
+        Each entry has ``name``, ``task``, ``schedule`` and optionally the
+        other keywords of :meth:`add`; any other key is an option. An invalid
+        entry (named by its index) or a taken name writes nothing.
+        """
+        from celery_sched import schedules
+
+        now = self._store.now()
+        # One spec builder for the batch: make_spec sets one up per call (the
+        # app's settings and a job validator), which dominates a large batch.
+        specs = schedules._SpecBuilder(self._client.app)
+        rows: list[NewSchedule] = []
+        for index, entry in enumerate(entries):
+            values = dict(entry)
+            fields = {key: values.pop(key) for key in (*_SCHEDULE_FIELDS, "name") if key in values}
+            fields["options"] = values
+            try:
+                rows.append(self._row(fields, now=now, check_task=check_task, specs=specs))
+            except InvalidSchedule as exc:
+                raise type(exc)(f"entry {index}: {exc}") from exc
+        count = self._store.add_schedules(rows)
+        logger.info("added %d schedules", count)
+        return count
+
+    def update(self, name: str, **changes: Any) -> ScheduleInfo:
+        """Change a schedule; only the given fields change (an option given as
+        ``None`` is removed; ``misfire=None`` means the project default again).
+
+        A new ``schedule``, ``timezone`` or ``relative`` restarts it: its next
+        run is computed from now, and nothing fires at once. Other changes
+        keep its timing; occurrences already planned are planned again with
+        the new definition.
+        """
+        check_task = bool(changes.pop("check_task", True))
+        for _attempt in range(_UPDATE_ATTEMPTS):
+            row = self._existing(name, changing=True)
+            fields = self._fields_of(row)
+            for key, value in changes.items():
+                if key in _SCHEDULE_FIELDS:
+                    fields[key] = value
+                elif value is None:
+                    fields["options"].pop(key, None)
+                else:
+                    fields["options"][key] = value
+            new = self._row(fields, now=self._store.now(), check_task=check_task)
+            restart = new.timing() != row.as_new().timing()
+            replaced = self._store.replace_schedule(
+                new, expected_version=row.version, restart=restart
+            )
+            if replaced is not None:
+                logger.info("updated schedule %s (%s)", name, ", ".join(sorted(changes)))
+                return self._info(replaced)
+        raise StoreError(
+            f"schedule {name!r} kept changing concurrently; update gave up after "
+            f"{_UPDATE_ATTEMPTS} attempts"
+        )
+
+    def pause(self, name: str) -> ScheduleInfo:
+        """Stop planning the schedule; its occurrences not yet due are withdrawn."""
+        info = self._info(self._store.set_schedule_paused(name, True))
+        logger.info("paused schedule %s", name)
+        return info
+
+    def resume(self, name: str) -> ScheduleInfo:
+        """Plan the schedule again; what it missed while paused follows its
+        misfire policy (``once``, the default, runs the latest missed one)."""
+        info = self._info(self._store.set_schedule_paused(name, False))
+        logger.info("resumed schedule %s", name)
+        return info
+
+    def delete(self, name: str) -> bool:
+        """Delete the schedule (its finished history stays); False if unknown.
+
+        A schedule defined in code can be deleted here only once it is gone
+        from the code (disabled by the leader's sync).
+        """
+        row = self._store.get_schedule(name)
+        if row is None:
+            return False
+        if row.source == "static" and row.enabled:
+            raise InvalidSchedule(_STATIC_HINT.format(name=name, what="removed"))
+        return self._store.delete_schedule(name)
+
+    def trigger(self, name: str) -> Job | None:
+        """Run one extra occurrence now and return its job.
+
+        ``None`` (nothing written) when the schedule's overlap policy is
+        ``skip`` and an occurrence of it is due or running. Works on paused
+        schedules too.
+        """
+        from celery_sched.planner import occurrence_job
+
+        row = self._existing(name, changing=False)
+        now = self._store.now()
+        job = occurrence_job(
+            row,
+            now,
+            now=now,
+            job_id=self._ids.next(),
+            max_attempts=self._client.settings.max_attempts,
+            shard_of=self._client.builder.shard_of,
+        )
+        stored = self._store.trigger_occurrence(job, skip_if_busy=row.overlap == "skip")
+        if stored is None:
+            logger.info("trigger of schedule %s skipped: an occurrence is running", name)
+            return None
+        self._client._stage([(stored.shard, stored.id, stored.due_at)])
+        logger.info("triggered schedule %s: job %s", name, stored.key)
+        return stored
+
+    # -- reading ------------------------------------------------------------------
+
+    def get(self, name: str) -> ScheduleInfo | None:
+        """The schedule called ``name`` with its next and last run, or ``None``."""
+        row = self._store.get_schedule(name)
+        return None if row is None else self._info(row)
+
+    def list(self, *, after: str | None = None, limit: int | None = None) -> list[ScheduleInfo]:
+        """Schedules by name (those after ``after``, at most ``limit``), each
+        with its next and last run."""
+        rows = self._store.list_schedules(after=after, limit=limit)
+        infos: list[ScheduleInfo] = []
+        for start in range(0, len(rows), 1000):
+            chunk = rows[start : start + 1000]
+            runs = self._store.schedule_runs([row.id for row in chunk])
+            infos.extend(_info(row, runs.get(row.id)) for row in chunk)
+        return infos
+
+    def counts(self) -> dict[str, int]:
+        """Number of schedules per state (active, paused, disabled)."""
+        return self._store.count_schedules()
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _row(
+        self,
+        fields: Mapping[str, Any],
+        *,
+        now: dt.datetime,
+        check_task: bool,
+        specs: Any = None,
+    ) -> NewSchedule:
+        """The validated row of one schedule given as :meth:`add` keywords.
+
+        ``specs`` is a spec builder shared by a batch (see :meth:`add_many`);
+        by default :func:`celery_sched.schedules.make_spec` builds one.
+        """
+        from celery_sched import schedules
+        from celery_sched.planner import schedule_row
+
+        # The spec builder checks every value, these two included.
+        name: Any = fields.get("name")
+        task: Any = fields.get("task")
+        if specs is None:
+            build: Any = functools.partial(schedules.make_spec, app=self._client.app)
+        else:
+            build = specs.build
+        spec = build(
+            name,
+            task,
+            fields.get("schedule"),
+            args=fields.get("args", ()),
+            kwargs=fields.get("kwargs"),
+            options=fields.get("options"),
+            timezone=fields.get("timezone"),
+            misfire=fields.get("misfire"),
+            overlap=fields.get("overlap"),
+            catchup_window=fields.get("catchup_window"),
+            max_catchup=fields.get("max_catchup"),
+            relative=fields.get("relative", False),
+            source=fields.get("source", "dynamic"),
+            enabled=fields.get("enabled", True),
+        )
+        return schedule_row(spec, self._client.builder, now=now, check_task=check_task)
+
+    def _existing(self, name: str, *, changing: bool) -> StoredSchedule:
+        row = self._store.get_schedule(name)
+        if row is None:
+            raise UnknownSchedule(name=name)
+        if changing and row.source == "static":
+            raise InvalidSchedule(_STATIC_HINT.format(name=name, what="changed"))
+        return row
+
+    def _fields_of(self, row: StoredSchedule) -> dict[str, Any]:
+        """The keyword form of a stored schedule, for :meth:`_row`."""
+        import celery.schedules
+
+        from celery_sched import schedules
+        from celery_sched.planner import spec_of
+
+        args, kwargs = _decode(row)
+        value: Any
+        if row.kind == "interval":
+            # Not the schedule object: its own `relative` would outlive a
+            # change of the `relative` field.
+            value = dt.timedelta(seconds=float(row.spec["seconds"]))
+        else:
+            value = schedules.schedule_from_spec(spec_of(row), app=self._client.app)
+            if isinstance(value, celery.schedules.crontab):
+                # Its tz is the stored timezone; a new `timezone` must win.
+                vars(value).pop("tz", None)
+        return {
+            "name": row.name,
+            "task": row.task,
+            "schedule": value,
+            "args": args,
+            "kwargs": kwargs,
+            "timezone": row.timezone,
+            "misfire": row.misfire,
+            "overlap": row.overlap,
+            "catchup_window": row.catchup_window,
+            "max_catchup": row.max_catchup,
+            "relative": row.relative,
+            "options": dict(row.options),
+            "source": row.source,
+            "enabled": row.enabled,
+        }
+
+    def _info(self, row: StoredSchedule) -> ScheduleInfo:
+        return _info(row, self._store.schedule_runs([row.id]).get(row.id))
+
+
+_STATIC_HINT = (
+    "schedule {name!r} is defined in code (beat_schedule or a task decorator) and is "
+    "synced from there by the leader; it is {what} in the code (it can be paused, "
+    "resumed and triggered here)"
+)
+
+
+def _decode(row: StoredSchedule) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    from kombu.serialization import loads
+
+    args, kwargs, _embed = loads(row.body, row.content_type, row.content_encoding, accept=None)
+    return tuple(args), dict(kwargs)
+
+
+def _info(row: StoredSchedule, runs: ScheduleRuns | None) -> ScheduleInfo:
+    runs = runs or ScheduleRuns()
+    next_run: dt.datetime | None = None
+    if row.enabled and not row.paused:
+        candidates = [t for t in (runs.next_due_at, row.next_nominal_at) if t is not None]
+        next_run = min(candidates) if candidates else None
+    args, kwargs = _decode(row)
+    return ScheduleInfo(
+        name=row.name,
+        task=row.task,
+        kind=row.kind,
+        spec=dict(row.spec),
+        timezone=row.timezone,
+        args=args,
+        kwargs=kwargs,
+        options=dict(row.options),
+        misfire=row.misfire,
+        overlap=row.overlap,
+        catchup_window=row.catchup_window,
+        max_catchup=row.max_catchup,
+        relative=row.relative,
+        source=row.source,
+        enabled=row.enabled,
+        paused=row.paused,
+        next_run_at=next_run,
+        last_run_at=runs.last_due_at,
+        last_status=runs.last_status,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        disabled_at=row.disabled_at,
+    )

@@ -1,4 +1,4 @@
-"""The leader loop: stage -> pop -> claim -> publish -> sweep -> reconcile.
+"""The leader loop: stage -> pop -> claim -> publish -> plan -> sweep -> reconcile.
 
 One :class:`Engine` runs in each beat process. All of them compete for the
 shard's lease through a :class:`~celery_sched.lease.LeaderElector` (renewed on
@@ -16,6 +16,13 @@ Failure rules:
   keep competing; it never exits the process.
 - Redis (staging) being down only slows things: the sweep claims straight
   from Postgres.
+
+Periodic schedules (:class:`~celery_sched.planner.Planner`): once elected, the
+leader of shard 0 syncs the static schedules (the code's ``beat_schedule``
+and decorated tasks) into the store; then every tick the leader materializes
+the occurrences of its shard's schedules up to the planning horizon, with a
+time budget per pass so dispatching is never held up for long. Occurrences
+its stager has already passed are staged at once.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from typing import TYPE_CHECKING
 
 from celery_sched.errors import (
     CelerySchedError,
+    InvalidJob,
+    InvalidSchedule,
     PublishError,
     StagingUnavailable,
     StaleEpoch,
@@ -39,9 +48,10 @@ from celery_sched.errors import (
 from celery_sched.timeutil import UTC
 
 if TYPE_CHECKING:
-    from celery_sched.interfaces import Dispatcher, JobStore, Staging
+    from celery_sched.interfaces import Dispatcher, JobStore, Ledger, Staging
     from celery_sched.lease import LeaderElector
     from celery_sched.models import Job
+    from celery_sched.planner import Planner
     from celery_sched.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -50,8 +60,12 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF = 5.0
 #: A leader pass longer than this many seconds is logged with its breakdown.
 SLOW_PASS = 0.5
+#: Seconds between pruning rounds (one bounded batch per table each).
+HOUSEKEEPING_INTERVAL = 30.0
 #: While the sweep drains a backlog, staged ids are served every this many batches.
 STAGED_EVERY = 4
+#: Longest one planning pass may run before the loop dispatches again, in seconds.
+PLAN_BUDGET = 0.25
 
 
 @dataclasses.dataclass
@@ -69,6 +83,9 @@ class EngineStats:
     elections: int = 0
     step_downs: int = 0
     errors: int = 0
+    planned: int = 0
+    pruned_jobs: int = 0
+    pruned_ledger: int = 0
 
 
 class Engine:
@@ -84,8 +101,12 @@ class Engine:
         settings: Settings,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(UTC),
+        planner: Planner | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.store = store
+        self.planner = planner
+        self.ledger = ledger
         self.staging = staging
         self.dispatcher = dispatcher
         self.elector = elector
@@ -103,6 +124,9 @@ class Engine:
         self._next_stage = 0.0
         self._next_sweep = 0.0
         self._next_reconcile = 0.0
+        self._next_plan = 0.0
+        self._next_housekeeping = 0.0
+        self._sync_due = False
         self._backoff = 0.0
         # Frequent small increments: each pass reads and stages only what
         # entered the window since the last one, so no pass stalls the loop.
@@ -168,7 +192,10 @@ class Engine:
     def _elected(self, epoch: int) -> None:
         self._epoch = epoch
         self._staged_until = None
-        self._next_stage = self._next_sweep = self._next_reconcile = 0.0
+        self._next_stage = self._next_sweep = self._next_reconcile = self._next_plan = 0.0
+        # Shard 0's leader owns the static schedules; syncing them on every
+        # election picks up a deploy that changed them.
+        self._sync_due = self.planner is not None and self.shard == 0
         self.stats.elections += 1
         logger.info("shard %d: leading with epoch %d", self.shard, epoch)
 
@@ -187,6 +214,12 @@ class Engine:
             timings.append(("stage", self._clock()))
         more = self._pop_and_publish(epoch)
         timings.append(("pop", self._clock()))
+        if self.planner is not None and now >= self._next_plan:
+            planning = self._plan(self.planner)
+            # A pass cut short by its budget goes on right after dispatching.
+            self._next_plan = now if planning else now + min(self.settings.max_tick, 1.0)
+            more = more or planning
+            timings.append(("plan", self._clock()))
         if now >= self._next_sweep:
             swept = self._sweep(epoch)
             more = more or swept >= self.settings.batch_size
@@ -196,6 +229,10 @@ class Engine:
             self._reconcile(epoch)
             self._next_reconcile = now + self.settings.reconcile_interval
             timings.append(("reconcile", self._clock()))
+        if now >= self._next_housekeeping:
+            self._housekeeping()
+            self._next_housekeeping = now + HOUSEKEEPING_INTERVAL
+            timings.append(("prune", self._clock()))
         if timings[-1][1] - now > SLOW_PASS:
             # A slow pass delays every job due meanwhile; say where it went.
             parts, start = [], now
@@ -298,6 +335,47 @@ class Engine:
             logger.info("sweep claimed %d due jobs from Postgres", total)
         return total
 
+    def _plan(self, planner: Planner) -> bool:
+        """Sync static schedules if due, then one planning pass; True if more is left."""
+        if not self.elector.is_leader():
+            return False
+        if self._sync_due:
+            try:
+                synced = planner.sync_static()
+            except (InvalidSchedule, InvalidJob) as exc:
+                # The code's schedules were checked when beat started, so this
+                # is rare; retrying cannot help, dispatching must go on.
+                logger.error("static schedules not synced: %s", exc)
+            else:
+                logger.info(
+                    "static schedules synced: %d added, %d changed, %d disabled, %d unchanged",
+                    synced.added,
+                    synced.updated,
+                    synced.disabled,
+                    synced.unchanged,
+                )
+            self._sync_due = False
+        planned = planner.plan_pass(
+            shard=self.shard, shards=self.settings.shards, budget=PLAN_BUDGET
+        )
+        self.stats.planned += len(planned.written)
+        self._stage_planned(planned.written)
+        return planned.more
+
+    def _stage_planned(self, written: Sequence[tuple[uuid.UUID, dt.datetime, int]]) -> None:
+        """Stage new occurrences due within the window: the stager only reads
+        what lies beyond its high-water mark, and may have passed these."""
+        horizon = self.store_now() + dt.timedelta(seconds=self.settings.staging_window)
+        items = [(job_id, due) for job_id, due, shard in written if shard == self.shard]
+        items = [(job_id, due) for job_id, due in items if due <= horizon]
+        if not items:
+            return
+        try:
+            self.stats.staged += self.staging.add(self.shard, items)
+        except StagingUnavailable as exc:
+            logger.warning("staging unavailable (%s); sweeping from Postgres", exc)
+            self._next_sweep = 0.0
+
     def _claim_batch(self, epoch: int) -> list[Job]:
         return self.store.claim_due(shard=self.shard, epoch=epoch, limit=self.settings.batch_size)
 
@@ -369,6 +447,32 @@ class Engine:
                 result.timed_out,
             )
 
+    def _housekeeping(self) -> None:
+        """Prune finished jobs and completed ledger entries past their retention.
+
+        One bounded batch of each per interval, so a large backlog (after a
+        long stop, or a retention just lowered) is worked off gradually and
+        never stalls dispatching. Both tables are shared by every shard, so
+        only shard 0's leader prunes. A failure is logged, never raised:
+        pruning is not worth a step-down.
+        """
+        if self.shard != 0:
+            return
+        settings = self.settings
+        try:
+            if settings.retention > 0:
+                self.stats.pruned_jobs += self.store.prune(
+                    older_than=settings.retention, batch=settings.prune_batch, max_batches=1
+                )
+            if self.ledger is not None and settings.ledger_retention > 0:
+                self.stats.pruned_ledger += self.ledger.prune(
+                    older_than=settings.ledger_retention,
+                    batch=settings.prune_batch,
+                    max_batches=1,
+                )
+        except CelerySchedError as exc:
+            logger.warning("shard %d: pruning failed, will try again: %s", self.shard, exc)
+
     def _sleep_time(self) -> float:
         now = self._clock()
         deadlines = [
@@ -377,6 +481,8 @@ class Engine:
             self._next_sweep - now,
             self._next_reconcile - now,
         ]
+        if self.planner is not None:
+            deadlines.append(self._next_plan - now)
         try:
             next_due = self.staging.next_due(self.shard)
         except StagingUnavailable:

@@ -70,6 +70,22 @@ class InvalidSchedule(CelerySchedError, ValueError):
     """The periodic schedule is invalid."""
 
 
+class ScheduleExists(InvalidSchedule):
+    """A periodic schedule with this name already exists."""
+
+    def __init__(self, message: str | None = None, *, name: str | None = None) -> None:
+        super().__init__(message or (f"a schedule named {name!r} already exists" if name else None))
+        self.name = name
+
+
+class UnknownSchedule(CelerySchedError, LookupError):
+    """No periodic schedule has this name."""
+
+    def __init__(self, message: str | None = None, *, name: str | None = None) -> None:
+        super().__init__(message or (f"no schedule named {name!r}" if name else None))
+        self.name = name
+
+
 class DuplicateJob(CelerySchedError):
     """A job with this key already exists."""
 
@@ -111,3 +127,7 @@ class StagingUnavailable(CelerySchedError):
 
 class PublishError(CelerySchedError):
     """Publishing to the broker failed."""
+
+
+class LedgerConflict(CelerySchedError):
+    """Another execution of this idempotency key took it over; this one cannot complete it."""

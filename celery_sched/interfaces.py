@@ -14,14 +14,23 @@ import dataclasses
 import datetime as dt
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
 from celery_sched.models import (
     Job,
     JobStatus,
+    LedgerClaim,
+    LedgerEntry,
     NewJob,
     NewJobRow,
+    NewSchedule,
+    PlanCommit,
     ReconcileResult,
+    ScheduleAdvance,
+    ScheduleRuns,
+    StoredSchedule,
+    SyncResult,
     WorkerUpdate,
 )
 
@@ -202,9 +211,139 @@ class JobStore(abc.ABC):
     # -- housekeeping -------------------------------------------------------
 
     @abc.abstractmethod
-    def prune(self, *, older_than: float, batch: int) -> int:
+    def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
         """Delete finished jobs whose finished_at is more than ``older_than``
-        seconds ago, ``batch`` rows per transaction; return the total."""
+        seconds ago, ``batch`` rows per transaction, at most ``max_batches``
+        transactions (None: until none is left); return the total."""
+
+    # -- periodic schedules -------------------------------------------------
+    #
+    # A schedule's future occurrences are pending job rows (``schedule_id``
+    # set, key ``name@<nominal>``). Every change a user makes *withdraws*
+    # them: pending occurrences of the schedule not yet due (``due_at >
+    # now()``) are deleted (they were never dispatched, and deleting frees
+    # their keys for re-planning), and, unless the change restarts the
+    # timing, the cursor rolls back to the earliest withdrawn one
+    # (``last_nominal_at = NULL``, ``next_nominal_at`` = its due time), so the
+    # planner materializes them again from the current definition. Every
+    # change also bumps ``version``.
+
+    @abc.abstractmethod
+    def add_schedules(self, schedules: Sequence[NewSchedule]) -> int:
+        """Insert new schedules atomically; return how many.
+
+        All or nothing: a name already stored, or twice in ``schedules``,
+        raises :class:`~celery_sched.errors.ScheduleExists` and writes nothing.
+        """
+
+    @abc.abstractmethod
+    def get_schedule(self, name: str) -> StoredSchedule | None:
+        """The schedule called ``name``, or ``None``."""
+
+    @abc.abstractmethod
+    def list_schedules(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> list[StoredSchedule]:
+        """Schedules ordered by name, those named after ``after`` only, at most ``limit``."""
+
+    @abc.abstractmethod
+    def count_schedules(self) -> dict[str, int]:
+        """Number of schedules per state: ``active``, ``paused``, ``disabled``
+        (states with none are omitted)."""
+
+    @abc.abstractmethod
+    def schedule_runs(self, schedule_ids: Sequence[int]) -> dict[int, ScheduleRuns]:
+        """Per schedule id: its earliest pending occurrence due after now and
+        its latest occurrence due at or before now (ids with neither are omitted)."""
+
+    @abc.abstractmethod
+    def replace_schedule(
+        self, schedule: NewSchedule, *, expected_version: int, restart: bool
+    ) -> StoredSchedule | None:
+        """Replace the definition of the schedule ``schedule.name`` and withdraw its
+        future occurrences.
+
+        With ``restart`` the cursor is reset (``last_nominal_at = NULL``,
+        ``next_nominal_at = schedule.next_nominal_at``); otherwise it rolls
+        back as described above. ``source`` and ``paused`` are kept. Returns
+        the new row, or ``None`` (writing nothing) when the stored version is
+        not ``expected_version``. Raises
+        :class:`~celery_sched.errors.UnknownSchedule` if there is no such schedule.
+        """
+
+    @abc.abstractmethod
+    def set_schedule_paused(self, name: str, paused: bool) -> StoredSchedule:
+        """Pause (withdrawing future occurrences, cursor rolled back) or resume.
+
+        Already in that state: nothing changes. Resuming leaves the cursor
+        where it was, so the planner treats the time paused as missed
+        (misfire policy). Raises :class:`~celery_sched.errors.UnknownSchedule`.
+        """
+
+    @abc.abstractmethod
+    def delete_schedule(self, name: str) -> bool:
+        """Withdraw the schedule's future occurrences and delete it; False if unknown.
+
+        Occurrences already due or dispatched, and the finished history, stay.
+        """
+
+    @abc.abstractmethod
+    def trigger_occurrence(self, job: NewJob, *, skip_if_busy: bool) -> Job | None:
+        """Insert an extra occurrence of schedule ``job.schedule_id`` now.
+
+        One transaction holding the schedule row's lock (the planner's
+        commits take it too). With ``skip_if_busy``, returns ``None`` and
+        writes nothing while an occurrence of the schedule is due or running
+        (pending with ``due_at <= now()``, dispatched, running, retrying); a
+        pending occurrence not yet due does not count. An existing key
+        returns the stored job. Raises
+        :class:`~celery_sched.errors.UnknownSchedule` if the schedule is gone.
+        """
+
+    @abc.abstractmethod
+    def sync_static_schedules(self, schedules: Sequence[NewSchedule]) -> SyncResult:
+        """Make the static schedules match ``schedules`` (the code's definitions).
+
+        One transaction. New names are inserted; a stored static schedule
+        whose definition differs is replaced (a timing change or a
+        re-enabled schedule restarts from ``next_nominal_at``, any other
+        change rolls back); static schedules not in ``schedules`` are
+        disabled (``enabled = false``, ``disabled_at`` set, future
+        occurrences withdrawn, history kept). Dynamic schedules are never
+        touched, even when a static definition has their name (reported in
+        ``conflicts``). Pause state survives.
+        """
+
+    @abc.abstractmethod
+    def due_schedules(
+        self,
+        *,
+        horizon: dt.datetime,
+        shard: int,
+        shards: int,
+        limit: int,
+        after: tuple[dt.datetime, int] | None = None,
+    ) -> list[StoredSchedule]:
+        """Enabled, unpaused schedules with ``next_nominal_at <= horizon`` and
+        ``id % shards == shard``, ordered by ``(next_nominal_at, id)``, only
+        those after ``after`` in that order (paging through one pass), at
+        most ``limit``. Read-only."""
+
+    @abc.abstractmethod
+    def busy_schedules(self, schedule_ids: Sequence[int]) -> set[int]:
+        """The ids among ``schedule_ids`` with an unfinished occurrence
+        (pending, dispatched, running or retrying). Read-only."""
+
+    @abc.abstractmethod
+    def commit_plans(self, advances: Sequence[ScheduleAdvance]) -> PlanCommit:
+        """Apply planner advances in one transaction (see :class:`ScheduleAdvance`).
+
+        Each advance applies only if its schedule still has the version the
+        planner read, is enabled and unpaused, and its cursor would not move
+        back (a slower planner that read the row earlier); the others are
+        counted as ``stale`` and write nothing. Occurrence keys that exist
+        are skipped, so racing planners never create one twice.
+        """
 
 
 class LeaseBackend(abc.ABC):
@@ -287,3 +426,78 @@ class Dispatcher(abc.ABC):
 
 
 OptionMap = Mapping[str, object]
+
+
+class Ledger(abc.ABC):
+    """The idempotency ledger of :class:`celery_sched.Task` (the ``ledger`` table).
+
+    One row per idempotency key. Before running a task a worker *acquires*
+    its key under a lease (seconds by the store's clock, renewed while the
+    task runs); afterwards it *completes* the key (success) or *releases* it
+    (failure, so that a retry can run). Owner tokens are unique per
+    execution: every change names its owner and does nothing once another
+    owner has taken the key over. Every method is one transaction unless it
+    says otherwise; unreachable backends raise
+    :class:`~celery_sched.errors.StoreUnavailable` after bounded retries.
+    """
+
+    @abc.abstractmethod
+    def acquire(
+        self, key: str, *, owner: str, lease: float, job_id: uuid.UUID | None = None
+    ) -> LedgerClaim:
+        """Take ``key`` for ``owner`` unless it is completed or held under a live lease.
+
+        Atomic: of racing callers exactly one acquires. A new key, or a
+        running key whose lease has expired (its holder died), is
+        ``ACQUIRED`` with ``attempts`` counting every take. A completed key
+        is ``COMPLETED`` with its recorded result; a key held under a live
+        lease is ``HELD`` with its holder and the seconds until that lease
+        expires. A key this very owner already holds (a retry after a lost
+        reply) is ``ACQUIRED`` again. One round trip when the key is new or
+        expired.
+        """
+
+    @abc.abstractmethod
+    def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
+        """Extend to ``now + lease`` the lease of every ``(key, owner)`` pair whose
+        key that owner still holds running; return the keys renewed (a key
+        missing from the answer was taken over or is gone). One statement."""
+
+    @abc.abstractmethod
+    def complete(self, key: str, *, owner: str, result: str | None = None) -> bool:
+        """Mark ``key`` completed by ``owner`` and record ``result`` (JSON text;
+        ``None`` records nothing). False, changing nothing, if another owner
+        holds the key or it is gone. Repeating it for the same owner only
+        updates the result (``completed_at`` keeps its first value)."""
+
+    @abc.abstractmethod
+    def release(self, key: str, *, owner: str) -> bool:
+        """Forget ``key`` while ``owner`` holds it running, so a retry can
+        acquire it; a completed key stays completed. True if it was released."""
+
+    @abc.abstractmethod
+    def transaction(self, key: str, *, owner: str) -> AbstractContextManager[Any]:
+        """A database transaction that completes ``key`` for ``owner`` when it commits.
+
+        Yields the connection the caller's statements run on (a SQLAlchemy
+        ``Connection`` for PostgreSQL). Leaving the block normally completes
+        the key (no result recorded) and commits both together; an exception
+        rolls everything back and propagates. If ``owner`` no longer holds
+        the key at commit, everything is rolled back and
+        :class:`~celery_sched.errors.LedgerConflict` is raised.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> LedgerEntry | None:
+        """The entry of ``key``, or ``None``."""
+
+    @abc.abstractmethod
+    def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
+        """Delete completed entries whose ``completed_at`` is more than
+        ``older_than`` seconds ago, then running entries whose lease expired
+        that long ago (their holder died and no retry came), ``batch`` rows per
+        transaction and at most ``max_batches`` transactions; return the total."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections the ledger opened itself."""

@@ -61,10 +61,44 @@ class Settings:
     )
     max_tick: float = _field(1.0, "Longest the leader loop sleeps between checks, in seconds.")
     reconcile_interval: float = _field(5.0, "Seconds between reconciler passes in the leader.")
+    # -- periodic schedules (the planner) --
+    plan_horizon: float = _field(
+        120.0,
+        "Seconds ahead of now that the leader materializes periodic occurrences as jobs "
+        "(keep it above staging_window).",
+    )
+    plan_batch_size: int = _field(1000, "Periodic schedules planned per planner transaction.")
+    misfire_policy: str = _field(
+        "once",
+        "Default misfire policy of periodic schedules: `skip`, `once` (beat's behaviour) or `all`.",
+    )
+    misfire_grace: float = _field(
+        5.0, "Seconds late an occurrence may be planned and still count as on time, not missed."
+    )
+    catchup_window: float = _field(
+        3600.0, "With misfire `all`: missed occurrences older than this many seconds are not run."
+    )
+    max_catchup: int = _field(
+        100, "With misfire `all`: the most missed occurrences of one schedule run after downtime."
+    )
     retention: float = _field(
         7 * 86400.0, "Seconds finished jobs are kept before pruning (0 keeps them)."
     )
     prune_batch: int = _field(5000, "Rows deleted per pruning batch.")
+    ledger_lease: float = _field(
+        30.0,
+        "Seconds a worker's hold on an idempotency key lasts unless renewed "
+        "(renewed every lease/3 while the task runs); a dead worker's key is taken over after it.",
+    )
+    ledger_retention: float = _field(
+        7 * 86400.0,
+        "Seconds completed idempotency-ledger entries are kept before pruning (0 keeps them).",
+    )
+    ledger_max_result_bytes: int = _field(
+        4096,
+        "Largest JSON-encoded task result the ledger records for duplicates; "
+        "larger or non-JSON results are not recorded.",
+    )
     pool_min_size: int = _field(1, "Minimum PostgreSQL connections kept in the pool.")
     pool_max_size: int = _field(8, "Maximum PostgreSQL connections in the pool.")
     connect_retries: int = _field(
@@ -91,14 +125,36 @@ class Settings:
         for name in ("batch_size", "max_attempts", "max_payload_bytes", "shards", "prune_batch"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"celery_sched_{name} must be at least 1")
+        self._check_planner()
         if not 0 <= self.shard < self.shards:
             raise ConfigurationError(
                 f"celery_sched_shard must be in [0, {self.shards}), got {self.shard}"
             )
         if self.lease_safety_margin >= self.lease_ttl:
             raise ConfigurationError("celery_sched_lease_safety_margin must be below lease_ttl")
+        # -- idempotency ledger --
+        if not self.ledger_lease > 0:
+            raise ConfigurationError("celery_sched_ledger_lease must be positive")
+        if not self.ledger_retention >= 0:
+            raise ConfigurationError("celery_sched_ledger_retention must be >= 0")
+        if self.ledger_max_result_bytes < 0:
+            raise ConfigurationError("celery_sched_ledger_max_result_bytes must be >= 0")
         if not self.hostname:
             object.__setattr__(self, "hostname", f"celery_sched@{socket.gethostname()}")
+
+    def _check_planner(self) -> None:
+        if self.plan_horizon <= 0:
+            raise ConfigurationError("celery_sched_plan_horizon must be positive")
+        if self.plan_batch_size < 1:
+            raise ConfigurationError("celery_sched_plan_batch_size must be at least 1")
+        if self.misfire_policy not in ("skip", "once", "all"):
+            raise ConfigurationError(
+                "celery_sched_misfire_policy must be 'skip', 'once' or 'all', "
+                f"got {self.misfire_policy!r}"
+            )
+        for name in ("misfire_grace", "catchup_window", "max_catchup"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(f"celery_sched_{name} must not be negative")
 
     # -- construction -------------------------------------------------------
 

@@ -50,6 +50,11 @@ JOB_OPTIONS = frozenset({"expires", "max_attempts", "visibility_timeout", "max_r
 #: Every option ``schedule`` accepts besides its named parameters.
 ALLOWED_OPTIONS = MESSAGE_OPTIONS | JOB_OPTIONS
 
+#: Task attributes (``@app.task(base=celery_sched.Task, max_attempts=3)``) that
+#: become the defaults of every job scheduled for that task; a job's own
+#: options override them.
+TASK_JOB_DEFAULTS = ("visibility_timeout", "max_attempts", "max_runtime")
+
 MAX_KEY_LENGTH = 512
 
 #: The protocol-2 "embed" part of the body: scheduled jobs carry no canvas.
@@ -75,6 +80,7 @@ class JobBuilder:
         self.settings = settings
         # The registry is a live dict: tasks registered later are still seen.
         self._tasks: Mapping[str, Any] = app.tasks
+        self._task_defaults: dict[str, dict[str, Any] | None] = {}
         try:
             self._zone: dt.tzinfo = app.timezone
         except (zoneinfo.ZoneInfoNotFoundError, ValueError) as exc:
@@ -216,6 +222,12 @@ class JobBuilder:
 
         shard = 0 if self._shards == 1 else zlib.crc32(key.encode()) % self._shards
 
+        try:
+            defaults = self._task_defaults[task_name]
+        except KeyError:
+            defaults = self._defaults_of(task_name)
+        if defaults is not None:
+            options = {**defaults, **options} if options else defaults
         if options:
             return self._with_options(
                 job_id, key, task_name, body, argsrepr, kwargsrepr, due_at, shard, options
@@ -241,6 +253,17 @@ class JobBuilder:
             None,
             None,
         )
+
+    def _defaults_of(self, task_name: str) -> dict[str, Any] | None:
+        """The job defaults the task declares (cached per task name)."""
+        task = self._tasks.get(task_name)
+        defaults = {
+            name: value
+            for name in TASK_JOB_DEFAULTS
+            if (value := getattr(task, name, None)) is not None
+        }
+        self._task_defaults[task_name] = result = defaults or None
+        return result
 
     def shard_of(self, key: str) -> int:
         """The shard a job key belongs to (stable across processes)."""

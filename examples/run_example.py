@@ -10,8 +10,13 @@ begins from nothing. Two parts:
 2. Start two ``celery -A proj beat -S celery_sched`` processes (one becomes
    the leader, the other waits as a standby) and one ``celery -A proj worker``,
    schedule a few thousand jobs due over the next seconds, and print the
-   counts per status until every one of them has run. Everything started
-   here is stopped before the script exits.
+   counts per status until every one of them has run.
+3. Meanwhile the leader has synced the project's periodic schedules
+   (``beat_schedule`` in ``proj/celery_app.py`` and the decorated tasks in
+   ``proj/periodic.py``) and fires them; show them with their last and next
+   runs, then add, trigger and pause one at runtime through
+   ``Client.schedules``. Everything started here is stopped before the
+   script exits.
 """
 
 from __future__ import annotations
@@ -147,6 +152,7 @@ def run_beats_and_worker(client: Client) -> None:
                 break
         else:
             raise SystemExit("the jobs did not all run within 3 minutes; see examples/.*.log")
+        show_periodic(client)
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
@@ -156,6 +162,35 @@ def run_beats_and_worker(client: Client) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
         print("stopped the beats and the worker.")
+
+
+def print_schedules(client: Client) -> None:
+    for info in client.schedules.list():
+        next_run = f"{info.next_run_at:%H:%M:%S}" if info.next_run_at else "-"
+        if info.next_run_at and info.next_run_at.date() != dt.datetime.now(dt.UTC).date():
+            next_run = f"{info.next_run_at:%Y-%m-%d %H:%M:%S}"
+        last_run = f"{info.last_run_at:%H:%M:%S} {info.last_status}" if info.last_run_at else "-"
+        print(
+            f"  {info.name:<34} {info.kind:<9} next {next_run:<19} last {last_run:<20} {info.state}"
+        )
+
+
+def show_periodic(client: Client) -> None:
+    """The periodic schedules the leader synced from the code, and runtime changes."""
+    print("\nperiodic schedules (from beat_schedule and @app.task(schedule=...)), in UTC:")
+    print_schedules(client)
+
+    # Runtime management: no restart; a change takes effect within one tick.
+    client.schedules.add(
+        "example.every-3s", send_reminder.name, 3, args=(0, "periodic hello"), misfire="skip"
+    )
+    job = client.schedules.trigger("cleanup")
+    print("\nadded 'example.every-3s' at runtime;", end=" ")
+    print(f"triggered 'cleanup' now: job {job.key if job else None}")
+    time.sleep(10)
+    client.schedules.pause("example.every-3s")
+    print("10 s later (then 'example.every-3s' was paused):")
+    print_schedules(client)
 
 
 if __name__ == "__main__":

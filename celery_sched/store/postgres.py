@@ -14,6 +14,7 @@ retried (:func:`celery_sched.retry.call_with_retry`) and finally raised as
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import logging
 import re
@@ -28,24 +29,39 @@ import psycopg.errors
 from psycopg import pq
 from psycopg.adapt import Dumper
 from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Double,
     Integer,
     Interval,
+    LargeBinary,
+    MetaData,
     Row,
     Select,
+    Table,
     Text,
     Update,
+    Uuid,
     all_,
+    and_,
     any_,
     bindparam,
     case,
     cast,
     create_engine,
     delete,
+    exists,
     extract,
     func,
     literal,
     literal_column,
+    not_,
+    or_,
     select,
+    true,
+    tuple_,
     update,
 )
 from sqlalchemy import exc as sa_exc
@@ -58,20 +74,30 @@ from sqlalchemy.sql.elements import ColumnElement
 from celery_sched.errors import (
     CelerySchedError,
     DuplicateJob,
+    InvalidSchedule,
+    ScheduleExists,
     SchemaMissing,
     StaleEpoch,
     StoreError,
     StoreUnavailable,
+    UnknownSchedule,
 )
 from celery_sched.interfaces import JobStore
 from celery_sched.models import (
     FINISHED_STATUSES,
     NEW_JOB_ROW,
+    UNFINISHED_STATUSES,
     Job,
     JobStatus,
     NewJob,
     NewJobRow,
+    NewSchedule,
+    PlanCommit,
     ReconcileResult,
+    ScheduleAdvance,
+    ScheduleRuns,
+    StoredSchedule,
+    SyncResult,
     WorkerUpdate,
     jobs_from_rows,
 )
@@ -533,6 +559,7 @@ class PostgresJobStore(JobStore):
         self._settings = settings
         self._schema = settings.db_schema
         self._q = _Queries(settings.db_schema)
+        self._sq = _ScheduleQueries(settings.db_schema)
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
 
@@ -1009,11 +1036,11 @@ class PostgresJobStore(JobStore):
 
     # -- housekeeping -------------------------------------------------------
 
-    def prune(self, *, older_than: float, batch: int) -> int:
+    def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
         if batch < 1:
             raise ValueError("prune batch must be at least 1")
         total = 0
-        while True:
+        for _ in itertools.repeat(None) if max_batches is None else range(max_batches):
             # One transaction per batch keeps locks and WAL bursts small.
             deleted = self._rowcount(
                 "prune", self._q.prune, {"older_than": older_than, "batch": batch}
@@ -1037,6 +1064,271 @@ class PostgresJobStore(JobStore):
 
     def _rowcount(self, what: str, stmt: Any, params: dict[str, Any]) -> int:
         return self._tx(what, lambda conn: conn.execute(stmt, params).rowcount)
+
+    # == periodic schedules =================================================
+    #
+    # Statements live in _ScheduleQueries (below). A user's change and the
+    # planner's commit both lock the schedule row first (UPDATE / FOR
+    # UPDATE), then touch its jobs; claims never lock schedule rows.
+
+    def add_schedules(self, schedules: Sequence[NewSchedule]) -> int:
+        rows = [_schedule_values(schedule) for schedule in schedules]
+        if not rows:
+            return 0
+        _refuse_duplicate_names(rows)
+        names = [row["name"] for row in rows]
+
+        def write(conn: Connection) -> int:
+            taken = conn.execute(self._sq.names_taken, {"names": names}).scalars().first()
+            if taken is not None:
+                raise ScheduleExists(name=taken)
+            self._sq.copy_rows(conn, self._sq.copy_schedules_sql, rows)
+            return len(rows)
+
+        try:
+            count = self._tx("add_schedules", write)
+        except DuplicateJob as exc:
+            # A concurrent add of the same name won the unique index.
+            raise ScheduleExists(f"a schedule with that name already exists ({exc})") from exc
+        logger.info("added %d schedules", count)
+        return count
+
+    def get_schedule(self, name: str) -> StoredSchedule | None:
+        row = self._tx(
+            "get_schedule", lambda conn: conn.execute(self._sq.get, {"p_name": name}).first()
+        )
+        return None if row is None else _stored_schedule(row)
+
+    def list_schedules(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> list[StoredSchedule]:
+        table = self._sq.schedules
+        stmt = select(table).order_by(table.c.name)
+        if after is not None:
+            stmt = stmt.where(table.c.name > after)
+        if limit is not None:
+            stmt = stmt.limit(max(limit, 0))
+        rows = self._tx("list_schedules", lambda conn: conn.execute(stmt).all())
+        return [_stored_schedule(row) for row in rows]
+
+    def count_schedules(self) -> dict[str, int]:
+        rows = self._tx("count_schedules", lambda conn: conn.execute(self._sq.counts).all())
+        return {state: count for state, count in rows}
+
+    def schedule_runs(self, schedule_ids: Sequence[int]) -> dict[int, ScheduleRuns]:
+        ids = list(dict.fromkeys(schedule_ids))
+        if not ids:
+            return {}
+        rows = self._tx(
+            "schedule_runs", lambda conn: conn.execute(self._sq.runs, {"ids": ids}).all()
+        )
+        return {
+            schedule_id: ScheduleRuns(
+                next_due_at=next_due, last_due_at=last_due, last_status=last_status
+            )
+            for schedule_id, next_due, last_due, last_status in rows
+            if next_due is not None or last_due is not None
+        }
+
+    def replace_schedule(
+        self, schedule: NewSchedule, *, expected_version: int, restart: bool
+    ) -> StoredSchedule | None:
+        values = _definition_values(schedule)
+
+        def write(conn: Connection) -> StoredSchedule | None:
+            row = conn.execute(self._sq.get_for_update, {"p_name": schedule.name}).first()
+            if row is None:
+                raise UnknownSchedule(name=schedule.name)
+            if row.version != expected_version:
+                return None
+            changes: dict[str, Any] = {**values}
+            if restart:
+                changes.update(last_nominal_at=None, next_nominal_at=schedule.next_nominal_at)
+            conn.execute(
+                update(self._sq.schedules)
+                .where(self._sq.schedules.c.id == row.id)
+                .values(
+                    **changes,
+                    version=self._sq.schedules.c.version + 1,
+                    updated_at=func.now(),
+                )
+            )
+            self._withdraw(conn, [row.id], roll_back=set() if restart else {row.id})
+            return _stored_schedule(conn.execute(self._sq.get, {"p_name": schedule.name}).one())
+
+        return self._tx("replace_schedule", write)
+
+    def set_schedule_paused(self, name: str, paused: bool) -> StoredSchedule:
+        def write(conn: Connection) -> StoredSchedule:
+            row = conn.execute(self._sq.get_for_update, {"p_name": name}).first()
+            if row is None:
+                raise UnknownSchedule(name=name)
+            if row.paused != paused:
+                conn.execute(
+                    update(self._sq.schedules)
+                    .where(self._sq.schedules.c.id == row.id)
+                    .values(
+                        paused=paused,
+                        version=self._sq.schedules.c.version + 1,
+                        updated_at=func.now(),
+                    )
+                )
+                if paused:
+                    self._withdraw(conn, [row.id], roll_back={row.id})
+            return _stored_schedule(conn.execute(self._sq.get, {"p_name": name}).one())
+
+        return self._tx("set_schedule_paused", write)
+
+    def delete_schedule(self, name: str) -> bool:
+        def write(conn: Connection) -> bool:
+            row = conn.execute(self._sq.get_for_update, {"p_name": name}).first()
+            if row is None:
+                return False
+            self._withdraw(conn, [row.id], roll_back=set())
+            conn.execute(self._sq.delete, {"p_id": row.id})
+            return True
+
+        deleted = self._tx("delete_schedule", write)
+        if deleted:
+            logger.info("deleted schedule %s", name)
+        return deleted
+
+    def trigger_occurrence(self, job: NewJob, *, skip_if_busy: bool) -> Job | None:
+        if job.schedule_id is None:
+            raise ValueError("a triggered occurrence needs its schedule_id")
+        values = _row_values(job)
+
+        def write(conn: Connection) -> Job | None:
+            locked = conn.execute(self._sq.lock_by_id, {"p_id": job.schedule_id}).first()
+            if locked is None:
+                raise UnknownSchedule(f"schedule {job.schedule_id} no longer exists")
+            if skip_if_busy and conn.execute(self._sq.running, {"ids": [job.schedule_id]}).first():
+                return None
+            row = conn.execute(self._q.insert_or_nothing, values).first()
+            if row is None:
+                row = conn.execute(self._q.get_by_key, {"p_key": job.key}).one()
+            return _job(row)
+
+        return self._tx("trigger_occurrence", write)
+
+    def sync_static_schedules(self, schedules: Sequence[NewSchedule]) -> SyncResult:
+        rows = [_schedule_values(schedule) for schedule in schedules]
+        _refuse_duplicate_names(rows)
+        for row in rows:
+            row["source"] = "static"
+        q = self._sq
+
+        def write(conn: Connection) -> SyncResult:
+            q.staged.create(conn)
+            q.copy_rows(conn, q.copy_staged_sql, rows)
+            conflicts = tuple(conn.execute(q.sync_conflicts).scalars())
+            added = len(conn.execute(q.sync_insert).all())
+            restarted = list(conn.execute(q.sync_restart).scalars())
+            rolled = list(conn.execute(q.sync_change).scalars())
+            disabled = list(conn.execute(q.sync_disable).scalars())
+            self._withdraw(conn, [*restarted, *rolled, *disabled], roll_back=set(rolled))
+            return SyncResult(
+                added=added,
+                updated=len(restarted) + len(rolled),
+                disabled=len(disabled),
+                unchanged=len(rows) - added - len(restarted) - len(rolled) - len(conflicts),
+                conflicts=conflicts,
+            )
+
+        return self._tx("sync_static_schedules", write)
+
+    def due_schedules(
+        self,
+        *,
+        horizon: dt.datetime,
+        shard: int,
+        shards: int,
+        limit: int,
+        after: tuple[dt.datetime, int] | None = None,
+    ) -> list[StoredSchedule]:
+        if limit <= 0:
+            return []
+        params: dict[str, Any] = {
+            "horizon": ensure_utc(horizon, name="horizon"),
+            "p_shard": shard,
+            "p_shards": max(shards, 1),
+            "p_limit": limit,
+        }
+        stmt = self._sq.due
+        if after is not None:
+            stmt = self._sq.due_after
+            params.update(after_next=ensure_utc(after[0], name="after"), after_id=after[1])
+        rows = self._tx("due_schedules", lambda conn: conn.execute(stmt, params).all())
+        return [_stored_schedule(row) for row in rows]
+
+    def busy_schedules(self, schedule_ids: Sequence[int]) -> set[int]:
+        ids = list(dict.fromkeys(schedule_ids))
+        if not ids:
+            return set()
+        return set(
+            self._tx(
+                "busy_schedules",
+                lambda conn: conn.execute(self._sq.busy, {"ids": ids}).scalars().all(),
+            )
+        )
+
+    def commit_plans(self, advances: Sequence[ScheduleAdvance]) -> PlanCommit:
+        if not advances:
+            return PlanCommit()
+        # Lock rows in id order, so two planners committing overlapping
+        # batches (an old and a new leader) cannot deadlock.
+        ordered = sorted(advances, key=lambda a: a.schedule_id)
+        params = {
+            "a_ids": [a.schedule_id for a in ordered],
+            "a_versions": [a.version for a in ordered],
+            "a_lasts": [a.last_nominal_at for a in ordered],
+            "a_nexts": [a.next_nominal_at for a in ordered],
+        }
+
+        def write(conn: Connection) -> PlanCommit:
+            applied = set(conn.execute(self._sq.advance, params).scalars())
+            guarded = [
+                a.schedule_id for a in ordered if a.skip_if_busy and a.schedule_id in applied
+            ]
+            busy_ids: set[int] = set()
+            if guarded:
+                busy_ids = set(conn.execute(self._sq.busy, {"ids": guarded}).scalars())
+            jobs: list[NewJob] = []
+            busy = 0
+            for advance in ordered:
+                if advance.schedule_id not in applied:
+                    continue
+                if advance.schedule_id in busy_ids:
+                    busy += len(advance.occurrences)
+                    continue
+                jobs.extend(advance.occurrences)
+            written: list[tuple[uuid.UUID, dt.datetime, int]] = []
+            for start in range(0, len(jobs), OCCURRENCE_CHUNK):
+                chunk = _occurrence_arrays(jobs[start : start + OCCURRENCE_CHUNK])
+                result = conn.execute(self._sq.insert_occurrences, chunk)
+                written.extend((job_id, ensure_utc(due), shard) for job_id, due, shard in result)
+            return PlanCommit(written=written, stale=len(ordered) - len(applied), busy=busy)
+
+        return self._tx("commit_plans", write)
+
+    def _withdraw(self, conn: Connection, ids: Sequence[int], *, roll_back: set[int]) -> None:
+        """Delete the not-yet-due pending occurrences of schedules ``ids``; for
+        those in ``roll_back``, point the cursor at the earliest one deleted."""
+        if not ids:
+            return
+        earliest: dict[int, dt.datetime] = {}
+        for schedule_id, due_at in conn.execute(self._sq.withdraw, {"ids": list(ids)}):
+            if schedule_id not in earliest or due_at < earliest[schedule_id]:
+                earliest[schedule_id] = due_at
+        rollbacks = [
+            {"p_id": schedule_id, "p_next": due_at}
+            for schedule_id, due_at in sorted(earliest.items())
+            if schedule_id in roll_back
+        ]
+        if rollbacks:
+            conn.execute(self._sq.roll_back, rollbacks)
+        if earliest:
+            logger.debug("withdrew future occurrences of %d schedules", len(earliest))
 
 
 def _row_values(job: NewJob) -> dict[str, Any]:
@@ -1076,3 +1368,407 @@ class _OptionsDumper(Dumper):
             return b"\x01{}"
         # jsonb's binary input: format version 1, then the JSON text.
         return b"\x01" + json.dumps(dict(obj)).encode()
+
+
+# == periodic schedules =======================================================
+
+#: The columns a new schedule row is written with (COPY), with their binary
+#: COPY types. The rest (id, paused, version, timestamps) take their defaults.
+SCHEDULE_COPY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("name", "text"),
+    ("task", "text"),
+    ("kind", "text"),
+    ("spec", "jsonb"),
+    ("body", "bytea"),
+    ("content_type", "text"),
+    ("content_encoding", "text"),
+    ("argsrepr", "text"),
+    ("kwargsrepr", "text"),
+    ("options", "jsonb"),
+    ("timezone", "text"),
+    ("misfire", "text"),
+    ("overlap", "text"),
+    ("catchup_window", "float8"),
+    ("max_catchup", "int4"),
+    ("relative", "bool"),
+    ("enabled", "bool"),
+    ("source", "text"),
+    ("next_nominal_at", "timestamptz"),
+)
+
+#: What a user defines (the static sync compares these); the first four
+#: decide *when* a schedule fires, so a change in them restarts it from now.
+TIMING_COLUMNS = ("kind", "spec", "timezone", "relative")
+DEFINITION_COLUMNS = (
+    *TIMING_COLUMNS,
+    "task",
+    "body",
+    "content_type",
+    "content_encoding",
+    "argsrepr",
+    "kwargsrepr",
+    "options",
+    "misfire",
+    "overlap",
+    "catchup_window",
+    "max_catchup",
+    "enabled",
+)
+
+#: The job columns of an occurrence insert and the array type each travels
+#: in (options as JSON text, cast on the server).
+OCCURRENCE_ARRAYS: tuple[tuple[str, str], ...] = (
+    ("id", "uuid"),
+    ("key", "text"),
+    ("task", "text"),
+    ("body", "bytea"),
+    ("content_type", "text"),
+    ("content_encoding", "text"),
+    ("argsrepr", "text"),
+    ("kwargsrepr", "text"),
+    ("options", "text"),
+    ("due_at", "timestamptz"),
+    ("due_bucket", "int4"),
+    ("expires_at", "timestamptz"),
+    ("max_attempts", "int4"),
+    ("shard", "int4"),
+    ("schedule_id", "int8"),
+    ("visibility_timeout", "float8"),
+    ("max_runtime", "float8"),
+)
+
+_UNFINISHED = sorted(status.value for status in UNFINISHED_STATUSES)
+_STAGED_TABLE = "celery_sched_static_sync"
+
+
+class _ScheduleQueries:
+    """Every SQL statement of the schedules section, built once per store."""
+
+    def __init__(self, schema: str) -> None:
+        metadata = build_metadata(schema)
+        s = metadata.tables[f"{schema}.schedules"]
+        jobs = metadata.tables[f"{schema}.jobs"]
+        self.schedules = s
+        self.jobs = jobs
+        now = func.now()
+        ids = bindparam("ids", type_=postgresql.ARRAY(BigInteger))
+        columns = ", ".join(f'"{name}"' for name, _ in SCHEDULE_COPY_COLUMNS)
+        self.copy_types = [kind for _, kind in SCHEDULE_COPY_COLUMNS]
+        self.copy_schedules_sql = (
+            f'COPY "{schema}".schedules ({columns}) FROM STDIN (FORMAT BINARY)'
+        )
+        self.copy_staged_sql = f"COPY {_STAGED_TABLE} ({columns}) FROM STDIN (FORMAT BINARY)"
+
+        # -- reading --
+        self.names_taken = (
+            select(s.c.name)
+            .where(s.c.name == any_(bindparam("names", type_=postgresql.ARRAY(Text))))
+            .limit(1)
+        )
+        self.get = select(s).where(s.c.name == bindparam("p_name"))
+        self.get_for_update = self.get.with_for_update()
+        self.lock_by_id = select(s.c.id).where(s.c.id == bindparam("p_id")).with_for_update()
+        state = case((not_(s.c.enabled), "disabled"), (s.c.paused, "paused"), else_="active").label(
+            "state"
+        )
+        self.counts = select(state, func.count()).group_by(state)
+
+        # Per schedule: its earliest pending occurrence not yet due, and its
+        # latest occurrence due so far; both walk jobs_schedule_due_idx.
+        x = func.unnest(ids).table_valued("id").render_derived(name="x")
+        next_due = (
+            select(func.min(jobs.c.due_at))
+            .where(
+                jobs.c.schedule_id == x.c.id,
+                jobs.c.status == _PENDING,
+                jobs.c.due_at > now,
+            )
+            .scalar_subquery()
+        )
+        last = (
+            select(jobs.c.due_at, jobs.c.status)
+            .where(jobs.c.schedule_id == x.c.id, jobs.c.due_at <= now)
+            .order_by(jobs.c.due_at.desc())
+            .limit(1)
+            .lateral("last")
+        )
+        self.runs = select(x.c.id, next_due, last.c.due_at, last.c.status).select_from(
+            x.outerjoin(last, true())
+        )
+
+        # -- planning --
+        stamp = DateTime(timezone=True)
+        due = (
+            select(s)
+            .where(
+                s.c.enabled,
+                not_(s.c.paused),
+                s.c.next_nominal_at <= bindparam("horizon", type_=stamp),
+                (s.c.id % bindparam("p_shards", type_=BigInteger))
+                == bindparam("p_shard", type_=BigInteger),
+            )
+            .order_by(s.c.next_nominal_at, s.c.id)
+            .limit(bindparam("p_limit"))
+        )
+        self.due = due
+        self.due_after = due.where(
+            tuple_(s.c.next_nominal_at, s.c.id)
+            > tuple_(bindparam("after_next", type_=stamp), bindparam("after_id", type_=BigInteger))
+        )
+        adv = select(
+            func.unnest(bindparam("a_ids", type_=postgresql.ARRAY(BigInteger))).label("id"),
+            func.unnest(bindparam("a_versions", type_=postgresql.ARRAY(BigInteger))).label(
+                "version"
+            ),
+            func.unnest(bindparam("a_lasts", type_=postgresql.ARRAY(stamp))).label("last"),
+            func.unnest(bindparam("a_nexts", type_=postgresql.ARRAY(stamp))).label("next"),
+        ).subquery("adv")
+        # A planner that read the row before another one advanced it (an old
+        # leader) must not move the cursor back: it would only plan again
+        # what exists.
+        self.advance = (
+            update(s)
+            .where(
+                s.c.id == adv.c.id,
+                s.c.version == adv.c.version,
+                s.c.enabled,
+                not_(s.c.paused),
+                or_(
+                    s.c.last_nominal_at.is_(None),
+                    adv.c.last.is_(None),
+                    s.c.last_nominal_at <= adv.c.last,
+                ),
+            )
+            .values(last_nominal_at=adv.c.last, next_nominal_at=adv.c.next)
+            .returning(s.c.id)
+        )
+        self.busy = (
+            select(jobs.c.schedule_id)
+            .where(
+                jobs.c.schedule_id == any_(ids),
+                jobs.c.status == any_(_text_array(*_UNFINISHED)),
+            )
+            .distinct()
+        )
+        # Due or running: a pending occurrence not yet due does not count.
+        self.running = (
+            select(jobs.c.schedule_id)
+            .where(
+                jobs.c.schedule_id == any_(ids),
+                jobs.c.status == any_(_text_array(*_UNFINISHED)),
+                or_(jobs.c.status != _PENDING, jobs.c.due_at <= now),
+            )
+            .limit(1)
+        )
+        # One short statement over array parameters, unnested in lockstep: a
+        # multi-row VALUES list of a thousand rows costs more to build and
+        # parse on the client than the insert costs the server.
+        unnested = select(
+            *(
+                func.unnest(bindparam(f"u_{name}", type_=postgresql.ARRAY(_sql_type(kind)))).label(
+                    name
+                )
+                for name, kind in OCCURRENCE_ARRAYS
+            )
+        ).subquery("u")
+        self.insert_occurrences = (
+            pg_insert(jobs)
+            .from_select(
+                [name for name, _ in OCCURRENCE_ARRAYS],
+                select(
+                    *(
+                        cast(unnested.c[name], postgresql.JSONB)
+                        if name == "options"
+                        else unnested.c[name]
+                        for name, _ in OCCURRENCE_ARRAYS
+                    )
+                ),
+            )
+            .on_conflict_do_nothing(index_elements=[jobs.c.key])
+            .returning(jobs.c.id, jobs.c.due_at, jobs.c.shard)
+        )
+
+        # -- changes --
+        self.withdraw = (
+            delete(jobs)
+            .where(
+                jobs.c.schedule_id == any_(ids),
+                jobs.c.status == _PENDING,
+                jobs.c.due_at > now,
+            )
+            .returning(jobs.c.schedule_id, jobs.c.due_at)
+        )
+        self.roll_back = (
+            update(s)
+            .where(s.c.id == bindparam("p_id"))
+            .values(last_nominal_at=None, next_nominal_at=bindparam("p_next", type_=stamp))
+        )
+        self.delete = delete(s).where(s.c.id == bindparam("p_id"))
+
+        # -- the static sync, through a temporary table of the code's definitions --
+        kinds = {name: kind for name, kind in SCHEDULE_COPY_COLUMNS}
+        t = Table(
+            _STAGED_TABLE,
+            MetaData(),
+            *(
+                Column(name, _sql_type(kinds[name]), nullable=name not in ("name",))
+                for name, _ in SCHEDULE_COPY_COLUMNS
+            ),
+            prefixes=["TEMPORARY"],
+            postgresql_on_commit="DROP",
+        )
+        self.staged = t
+        same_name = s.c.name == t.c.name
+        static = s.c.source == "static"
+        definition_changed = tuple_(*(s.c[n] for n in DEFINITION_COLUMNS)).is_distinct_from(
+            tuple_(*(t.c[n] for n in DEFINITION_COLUMNS))
+        )
+        timing_changed = tuple_(*(s.c[n] for n in TIMING_COLUMNS)).is_distinct_from(
+            tuple_(*(t.c[n] for n in TIMING_COLUMNS))
+        )
+        define: dict[str, Any] = {n: t.c[n] for n in DEFINITION_COLUMNS}
+        define["disabled_at"] = case((t.c.enabled, None), else_=func.coalesce(s.c.disabled_at, now))
+        self.sync_conflicts = select(t.c.name).where(
+            exists().where(same_name, s.c.source == "dynamic")
+        )
+        self.sync_insert = (
+            pg_insert(s)
+            .from_select(
+                [name for name, _ in SCHEDULE_COPY_COLUMNS],
+                select(*(t.c[name] for name, _ in SCHEDULE_COPY_COLUMNS)),
+            )
+            .on_conflict_do_nothing(index_elements=[s.c.name])
+            .returning(s.c.id)
+        )
+        # A timing change, or a schedule back in the code, starts over from
+        # the definition's first instant; this statement runs first, so the
+        # next one only sees the rows whose timing stayed the same.
+        self.sync_restart = (
+            update(s)
+            .where(
+                same_name,
+                static,
+                or_(and_(not_(s.c.enabled), t.c.enabled), timing_changed),
+            )
+            .values(
+                **define,
+                last_nominal_at=None,
+                next_nominal_at=t.c.next_nominal_at,
+                version=s.c.version + 1,
+                updated_at=now,
+            )
+            .returning(s.c.id)
+        )
+        self.sync_change = (
+            update(s)
+            .where(same_name, static, definition_changed)
+            .values(**define, version=s.c.version + 1, updated_at=now)
+            .returning(s.c.id)
+        )
+        self.sync_disable = (
+            update(s)
+            .where(static, s.c.enabled, ~exists().where(t.c.name == s.c.name))
+            .values(enabled=False, disabled_at=now, version=s.c.version + 1, updated_at=now)
+            .returning(s.c.id)
+        )
+
+    def copy_rows(self, conn: Connection, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        """COPY schedule rows (``SCHEDULE_COPY_COLUMNS`` keys) inside ``conn``'s transaction."""
+        raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+        names = [name for name, _ in SCHEDULE_COPY_COLUMNS]
+        with raw.cursor() as cur:
+            cur.adapters.register_dumper(None, _OptionsDumper)
+            with cur.copy(sql) as copy:
+                copy.set_types(self.copy_types)
+                for row in rows:
+                    copy.write_row([row[name] for name in names])
+
+
+def _sql_type(kind: str) -> Any:
+    return {
+        "uuid": Uuid(as_uuid=True),
+        "int8": BigInteger,
+        "text": Text,
+        "jsonb": postgresql.JSONB,
+        "bytea": LargeBinary,
+        "float8": Double,
+        "int4": Integer,
+        "bool": Boolean,
+        "timestamptz": DateTime(timezone=True),
+    }[kind]
+
+
+def _occurrence_arrays(jobs: Sequence[NewJob]) -> dict[str, list[Any]]:
+    """The ``u_<column>`` array parameters of ``insert_occurrences``."""
+    options: dict[int, str] = {}
+
+    def as_json(value: Any) -> str:
+        # Occurrences of one schedule share their options mapping.
+        text = options.get(id(value))
+        if text is None:
+            text = options[id(value)] = json.dumps(dict(value)) if value else "{}"
+        return text
+
+    return {
+        "u_id": [job.id for job in jobs],
+        "u_key": [job.key for job in jobs],
+        "u_task": [job.task for job in jobs],
+        "u_body": [job.body for job in jobs],
+        "u_content_type": [job.content_type for job in jobs],
+        "u_content_encoding": [job.content_encoding for job in jobs],
+        "u_argsrepr": [job.argsrepr for job in jobs],
+        "u_kwargsrepr": [job.kwargsrepr for job in jobs],
+        "u_options": [as_json(job.options) for job in jobs],
+        "u_due_at": [job.due_at for job in jobs],
+        "u_due_bucket": [job.due_bucket for job in jobs],
+        "u_expires_at": [job.expires_at for job in jobs],
+        "u_max_attempts": [job.max_attempts for job in jobs],
+        "u_shard": [job.shard for job in jobs],
+        "u_schedule_id": [job.schedule_id for job in jobs],
+        "u_visibility_timeout": [job.visibility_timeout for job in jobs],
+        "u_max_runtime": [job.max_runtime for job in jobs],
+    }
+
+
+def _schedule_values(schedule: NewSchedule) -> dict[str, Any]:
+    return {
+        "name": schedule.name,
+        "task": schedule.task,
+        "kind": schedule.kind,
+        "spec": dict(schedule.spec),
+        "body": schedule.body,
+        "content_type": schedule.content_type,
+        "content_encoding": schedule.content_encoding,
+        "argsrepr": schedule.argsrepr,
+        "kwargsrepr": schedule.kwargsrepr,
+        "options": dict(schedule.options),
+        "timezone": schedule.timezone,
+        "misfire": schedule.misfire,
+        "overlap": schedule.overlap,
+        "catchup_window": schedule.catchup_window,
+        "max_catchup": schedule.max_catchup,
+        "relative": schedule.relative,
+        "enabled": schedule.enabled,
+        "source": schedule.source,
+        "next_nominal_at": schedule.next_nominal_at,
+    }
+
+
+def _definition_values(schedule: NewSchedule) -> dict[str, Any]:
+    """What ``replace_schedule`` writes: the definition without ``enabled``."""
+    values = _schedule_values(schedule)
+    return {name: values[name] for name in DEFINITION_COLUMNS if name != "enabled"}
+
+
+def _refuse_duplicate_names(rows: Sequence[dict[str, Any]]) -> None:
+    seen: set[str] = set()
+    for row in rows:
+        if row["name"] in seen:
+            raise InvalidSchedule(f"schedule name {row['name']!r} is given twice")
+        seen.add(row["name"])
+
+
+def _stored_schedule(row: Row[Any]) -> StoredSchedule:
+    values = dict(row._mapping)
+    values["overlap"] = values["overlap"] or "allow"
+    return StoredSchedule(**values)

@@ -133,9 +133,17 @@ def build_metadata(schema: str) -> MetaData:
         jobs.c.status,
         postgresql_where=text("schedule_id IS NOT NULL"),
     )
+    # A schedule's next and latest occurrence (listing, withdrawing future
+    # occurrences) without reading its whole history. (0002)
+    Index(
+        "jobs_schedule_due_idx",
+        jobs.c.schedule_id,
+        jobs.c.due_at,
+        postgresql_where=text("schedule_id IS NOT NULL"),
+    )
 
     kind_list = ", ".join(f"'{kind}'" for kind in SCHEDULE_KINDS)
-    Table(
+    schedules = Table(
         "schedules",
         metadata,
         Column("id", BigInteger, primary_key=True, autoincrement=True),
@@ -162,9 +170,22 @@ def build_metadata(schema: str) -> MetaData:
         _ts("created_at", nullable=False, now_default=True),
         _ts("updated_at", nullable=False, now_default=True),
         _ts("disabled_at"),
+        # 0002: the user's pause switch (``enabled`` is false only for static
+        # schedules gone from the code) and a version bumped by every change,
+        # so a planner that read an older definition writes nothing.
+        Column("paused", Boolean, nullable=False, server_default=text("false")),
+        Column("version", BigInteger, nullable=False, server_default=text("0")),
         UniqueConstraint("name", name="schedules_name_key"),
         CheckConstraint(f"kind IN ({kind_list})", name="schedules_kind_check"),
         CheckConstraint("source IN ('static', 'dynamic')", name="schedules_source_check"),
+    )
+    # The planner's scan: schedules whose next instant enters the horizon.
+    # Partial, so paused and disabled schedules cost it nothing. (0002)
+    Index(
+        "schedules_plan_idx",
+        schedules.c.next_nominal_at,
+        schedules.c.id,
+        postgresql_where=text("enabled AND NOT paused"),
     )
 
     ledger = Table(

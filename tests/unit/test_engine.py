@@ -387,3 +387,44 @@ def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> No
     rig.dispatcher.set_down(False)
     rig.run(engine, rig.settings.sweep_interval + 1)
     assert sorted(rig.dispatcher.sent_ids()) == sorted(ids)
+
+
+def test_the_leader_prunes_old_jobs_and_ledger_entries_a_batch_at_a_time(rig: Rig) -> None:
+    from celery_sched.engine import HOUSEKEEPING_INTERVAL
+    from celery_sched.store.ledger_memory import MemoryLedger
+
+    rig.settings = dataclasses.replace(
+        rig.settings, retention=60.0, ledger_retention=60.0, prune_batch=2
+    )
+    finished = [rig.add(-1) for _ in range(3)]
+    kept = rig.add(3600)
+    for job_id in finished:
+        assert rig.store.mark_finished(job_id, JobStatus.SUCCEEDED)
+    ledger = MemoryLedger(clock=rig.clock.wall)
+    for key in ("a", "b", "c"):
+        ledger.acquire(key, owner="w", lease=30)
+        assert ledger.complete(key, owner="w")
+    ledger.acquire("running", owner="w", lease=3600)
+    rig.clock.advance(61)
+    elector = rig.elector("a")
+    elector.try_acquire()
+    engine = Engine(
+        store=rig.store,
+        staging=rig.staging,
+        dispatcher=rig.dispatcher,
+        elector=elector,
+        settings=rig.settings,
+        clock=rig.clock.mono,
+        wall=rig.clock.wall,
+        ledger=ledger,
+    )
+    engine.step()
+    # One bounded batch per table per round, never the whole backlog at once.
+    assert (engine.stats.pruned_jobs, engine.stats.pruned_ledger) == (2, 2)
+    engine.step()
+    assert (engine.stats.pruned_jobs, engine.stats.pruned_ledger) == (2, 2)
+    rig.run(engine, HOUSEKEEPING_INTERVAL + 1)
+    assert (engine.stats.pruned_jobs, engine.stats.pruned_ledger) == (3, 3)
+    assert all(rig.store.get_by_id(job_id) is None for job_id in finished)
+    assert rig.store.get_by_id(kept) is not None
+    assert ledger.get("running") is not None and ledger.get("a") is None

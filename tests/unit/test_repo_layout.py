@@ -105,4 +105,13 @@ def test_example_project_is_found_by_celery() -> None:
         timeout=60,
         check=True,
     ).stdout
-    assert out.strip() == "proj ['proj.tasks.send_reminder']"
+    expected = [
+        "proj.periodic.cleanup",
+        "proj.periodic.heartbeat",
+        "proj.periodic.launch",
+        "proj.periodic.lights",
+        "proj.periodic.refresh_dashboard",
+        "proj.periodic.report",
+        "proj.tasks.send_reminder",
+    ]
+    assert out.strip() == f"proj {expected}"

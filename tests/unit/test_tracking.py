@@ -97,3 +97,77 @@ def test_reports_are_written_in_batches_by_the_background_thread(
     assert sum(calls) == 100  # running + succeeded for each
     assert len(calls) < 50  # batched, not one write per report
     assert {store.get_by_id(i).status for i in ids} == {JobStatus.SUCCEEDED}  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def broker_app() -> Iterator[Celery]:
+    """An app that publishes for real, to Kombu's in-process memory transport."""
+    app = Celery("tracking-retry-test", broker="memory://", set_as_current=False)
+    app.conf.task_default_queue = f"q-{uuid.uuid4().hex[:8]}"
+    tracking.install(app, store=MemoryJobStore())
+
+    @app.task(name="t.flaky", bind=True, shared=False)
+    def flaky(self: Any) -> None:
+        raise AssertionError("never executed here")
+
+    yield app
+
+
+def _published_headers(app: Celery) -> dict[str, Any]:
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        try:
+            message = queue.get(timeout=1)
+            message.ack()
+            return dict(message.headers)
+        finally:
+            queue.close()
+
+
+def _inside(app: Celery, task_id: str, **headers: Any) -> Any:
+    """Make ``t.flaky`` the running task, as a worker does, with these headers."""
+    from celery._state import _task_stack
+
+    task = app.tasks["t.flaky"]
+    task.push_request(id=task_id, called_directly=False, retries=0, **headers)
+    _task_stack.push(task)
+    return task
+
+
+def _leave(task: Any) -> None:
+    from celery._state import _task_stack
+
+    _task_stack.pop()
+    task.pop_request()
+
+
+def test_a_plain_task_retry_keeps_the_job_headers(broker_app: Celery) -> None:
+    # Tracking relies on this: Celery (>= 5.7) keeps a request's custom headers
+    # on the message a retry publishes, so the retried run is the same job.
+    job_id = str(uuid.uuid4())
+    task = _inside(
+        broker_app,
+        job_id,
+        celery_sched_key="job-7",
+        celery_sched_attempt=2,
+        celery_sched_epoch=9,
+    )
+    try:
+        task.retry(countdown=60, throw=False)
+    finally:
+        _leave(task)
+    headers = _published_headers(broker_app)
+    assert headers["id"] == job_id
+    assert headers["celery_sched_key"] == "job-7"
+    assert headers["celery_sched_attempt"] == 2
+    assert headers["celery_sched_epoch"] == 9
+
+
+def test_other_messages_sent_from_a_task_do_not_get_its_headers(broker_app: Celery) -> None:
+    task = _inside(broker_app, str(uuid.uuid4()), celery_sched_key="job-8")
+    try:
+        broker_app.send_task("t.flaky", task_id=str(uuid.uuid4()))
+    finally:
+        _leave(task)
+    headers = _published_headers(broker_app)
+    assert "celery_sched_key" not in headers

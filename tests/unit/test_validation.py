@@ -498,7 +498,12 @@ _options = st.fixed_dictionaries(
         "priority": st.integers(0, 255),
         "max_attempts": st.integers(1, 9),
         "expires": st.floats(1, 1e6),
-        "headers": st.dictionaries(st.text(max_size=4), _scalars, max_size=2),
+        # NUL is refused by validation (jsonb cannot store it): tested elsewhere.
+        "headers": st.dictionaries(
+            st.text(max_size=4).filter(lambda k: "\x00" not in k),
+            _scalars.filter(lambda v: not (isinstance(v, str) and "\x00" in v)),
+            max_size=2,
+        ),
     },
 )
 

@@ -1,0 +1,296 @@
+"""Worker throughput: a no-op ``celery_sched.Task`` against a plain task, same broker, same run.
+
+Three modes, each a real ``celery worker`` subprocess started in turn on the
+same queue, in every round:
+
+- ``plain``: a plain ``@app.task`` no-op, no status tracking;
+- ``tracking``: the same task with ``celery_sched.tracking.install(app)``;
+- ``task``: a no-op with ``base=celery_sched.Task`` (ledger acquire and
+  completion per execution, lease renewal, and the status tracking it installs).
+
+For each mode ``--jobs`` jobs due now are scheduled, claimed and published
+through the real dispatcher (so every message carries its job key headers)
+before the worker starts; the worker records when its first task started
+and its last one ended, and
+
+    tasks/s = jobs / (end of the last task - start of the first task)
+
+Medians over ``--rounds`` rounds; ``ratio`` is plain tasks/s divided by
+celery_sched.Task tasks/s (target: below 1.5), ``tracking_cost`` the
+fraction of plain throughput status tracking costs (target: below 20%).
+
+    .venv/bin/python benchmarks/worker_overhead.py [--jobs 20000] [--rounds 5]
+        [--pool threads|solo] [--concurrency 4] [--broker redis|amqp]
+
+The module is also the worker's Celery app (``celery -A worker_overhead``),
+configured from ``BENCH_*`` variables. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, signals
+
+import celery_sched
+from celery_sched import tracking
+
+MODES = ("plain", "tracking", "task")
+TASKS = {"plain": "bench.plain", "tracking": "bench.plain", "task": "bench.task"}
+TARGET_RATIO = 1.5
+TARGET_TRACKING_COST = 0.20
+
+# -- the worker's app ------------------------------------------------------------------
+
+MODE = os.environ.get("BENCH_MODE", "")
+
+app = Celery("overhead", broker=os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0"))
+app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],
+    task_default_queue=os.environ.get("BENCH_QUEUE", "celery"),
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=16,
+)
+
+# Each worker registers only its mode's task: binding a celery_sched.Task
+# installs status tracking, which the plain mode must not have.
+if MODE in ("", "plain", "tracking"):
+
+    @app.task(name="bench.plain")
+    def plain() -> None:
+        return None
+
+
+if MODE in ("", "task"):
+
+    @app.task(name="bench.task", base=celery_sched.Task)
+    def sched() -> None:
+        return None
+
+
+if MODE == "tracking":
+    tracking.install(app)
+
+
+class _Stamps:
+    """First task start and last task end in this worker process (threads/solo pools)."""
+
+    def __init__(self) -> None:
+        self.expected = int(os.environ.get("BENCH_N", "0"))
+        self.path = os.environ.get("BENCH_STAMP", "")
+        self.first: float | None = None
+        self.first_cpu = 0.0
+        self.done = 0
+        self.lock = threading.Lock()
+
+    def started(self, **_: Any) -> None:
+        if self.first is None:
+            with self.lock:
+                if self.first is None:
+                    self.first = time.time()
+                    self.first_cpu = time.process_time()
+
+    def finished(self, **_: Any) -> None:
+        with self.lock:
+            self.done += 1
+            if self.done != self.expected:
+                return
+            last = time.time()
+            cpu = time.process_time() - self.first_cpu
+        Path(self.path).write_text(
+            json.dumps({"first": self.first, "last": last, "n": self.done, "cpu": cpu})
+        )
+
+
+if MODE:
+    _stamps = _Stamps()
+    signals.task_prerun.connect(_stamps.started, weak=False)
+    signals.task_postrun.connect(_stamps.finished, weak=False)
+
+
+# -- the benchmark ---------------------------------------------------------------------
+
+
+def publish_jobs(run: Any, mode: int | str, jobs: int, tag: str) -> float:
+    """Schedule ``jobs`` jobs due now for ``mode``'s task, claim and publish them."""
+    from celery_sched.client import Client
+    from celery_sched.dispatch.kombu import KombuDispatcher
+
+    started = time.perf_counter()
+    name = TASKS[str(mode)]
+    with Client(app, settings=run.settings, staging=False) as client:
+        client.schedule_many(
+            {"task": name, "key": f"{tag}-{i}", "queue": run.queue, "check_task": False}
+            for i in range(jobs)
+        )
+        store = client.store
+        epoch = store.acquire_epoch(0, f"bench-{tag}")
+        dispatcher = KombuDispatcher(app, run.settings)
+        sent = 0
+        try:
+            while True:
+                claimed = store.claim_due(shard=0, epoch=epoch, limit=5000)
+                if not claimed:
+                    break
+                result = dispatcher.publish(claimed, epoch=epoch, now=store.now())
+                sent += len(result.sent)
+        finally:
+            dispatcher.close()
+    if sent != jobs:
+        raise SystemExit(f"published {sent} of {jobs} messages")
+    return time.perf_counter() - started
+
+
+def run_worker(run: Any, mode: str, jobs: int, ns: argparse.Namespace) -> dict[str, Any]:
+    from _common import CELERY, ROOT, Beat
+
+    stamp = run.tmp / f"{mode}-{time.monotonic_ns()}.json"
+    log = run.tmp / f"worker-{mode}.log"
+    args = [
+        CELERY,
+        "-A",
+        "worker_overhead",
+        "worker",
+        f"--pool={ns.pool}",
+        f"--concurrency={ns.concurrency}",
+        "-Q",
+        run.queue,
+        "-n",
+        f"overhead-{mode}-{run.name}@%h",
+        "--without-heartbeat",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel=WARNING",
+    ]
+    with log.open("wb") as handle:
+        popen = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=run.env(BENCH_MODE=mode, BENCH_N=str(jobs), BENCH_STAMP=str(stamp)),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    worker = Beat(f"worker-{mode}", popen, log)
+    run.procs.append(worker)
+    deadline = time.monotonic() + 60 + jobs / 50
+    try:
+        while not stamp.exists():
+            if not worker.alive() or time.monotonic() > deadline:
+                raise SystemExit(f"{mode} worker did not finish {jobs} tasks:\n{worker.tail()}")
+            time.sleep(0.05)
+        time.sleep(0.05)  # let the writer finish the file
+        stamps = json.loads(stamp.read_text())
+    finally:
+        worker.stop()
+    seconds = max(stamps["last"] - stamps["first"], 1e-6)
+    return {
+        "seconds": round(seconds, 3),
+        "per_s": round(jobs / seconds, 1),
+        # Worker process CPU (all threads) per task: where the time goes.
+        "cpu_ms_per_task": round(stamps["cpu"] / jobs * 1000, 3),
+    }
+
+
+def run_round(ns: argparse.Namespace, index: int) -> dict[str, Any]:
+    from _common import Run, progress
+
+    run = Run("overhead", broker=ns.broker)
+    try:
+        from celery_sched.store.postgres import PostgresJobStore
+
+        store = PostgresJobStore(run.settings)
+        store.migrate()
+        store.close()
+        result: dict[str, Any] = {}
+        for mode in MODES:
+            publish_s = publish_jobs(run, mode, ns.jobs, f"{mode}-{index}")
+            measured = run_worker(run, mode, ns.jobs, ns)
+            progress(
+                "round %d %-8s: %d tasks in %.2fs = %.0f tasks/s, %.2f ms CPU per task "
+                "(published in %.1fs)",
+                index,
+                mode,
+                ns.jobs,
+                measured["seconds"],
+                measured["per_s"],
+                measured["cpu_ms_per_task"],
+                publish_s,
+            )
+            result[mode] = measured
+        completed = run.query(
+            "SELECT count(*) FROM {s}.ledger WHERE state = 'completed' AND key LIKE %s",
+            f"task-{index}-%",
+        )[0][0]
+        succeeded = run.query("SELECT count(*) FROM {s}.jobs WHERE status = 'succeeded'")[0][0]
+        result["ledger_completed"] = int(completed)
+        result["jobs_succeeded"] = int(succeeded)
+        return result
+    finally:
+        run.cleanup()
+
+
+def main() -> None:
+    from _common import emit, load_avg, median, progress, rounded
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=20_000, help="tasks per mode and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pool", default="threads", choices=["threads", "solo"])
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--broker", default="redis", help="redis, amqp, or a broker URL")
+    ns = parser.parse_args()
+
+    load_before = load_avg()
+    rounds = []
+    for index in range(1, ns.rounds + 1):
+        rounds.append(run_round(ns, index))
+    rates = {mode: [r[mode]["per_s"] for r in rounds] for mode in MODES}
+    medians = {mode: median(values) for mode, values in rates.items()}
+    ratio = medians["plain"] / medians["task"] if medians["task"] else None
+    tracking_cost = 1 - medians["tracking"] / medians["plain"] if medians["plain"] else None
+    per_round_ratio = [r["plain"]["per_s"] / r["task"]["per_s"] for r in rounds]
+    progress(
+        "medians: plain %.0f/s, plain+tracking %.0f/s, celery_sched.Task %.0f/s; ratio %.2f",
+        medians["plain"],
+        medians["tracking"],
+        medians["task"],
+        ratio or 0,
+    )
+    emit(
+        {
+            "benchmark": "worker_overhead",
+            "jobs": ns.jobs,
+            "rounds": ns.rounds,
+            "pool": ns.pool,
+            "concurrency": ns.concurrency,
+            "broker": ns.broker,
+            "tasks_per_s": rates,
+            "cpu_ms_per_task": {
+                mode: [r[mode]["cpu_ms_per_task"] for r in rounds] for mode in MODES
+            },
+            "median_tasks_per_s": {mode: rounded(value, 1) for mode, value in medians.items()},
+            "ratio_plain_over_task": rounded(ratio, 3),
+            "ratio_per_round": [round(value, 3) for value in per_round_ratio],
+            "target_ratio": TARGET_RATIO,
+            "ratio_met": ratio is not None and ratio < TARGET_RATIO,
+            "tracking_cost": rounded(tracking_cost, 3),
+            "target_tracking_cost": TARGET_TRACKING_COST,
+            "tracking_cost_met": tracking_cost is not None and tracking_cost < TARGET_TRACKING_COST,
+            "ledger_completed": [r["ledger_completed"] for r in rounds],
+            "jobs_succeeded": [r["jobs_succeeded"] for r in rounds],
+            "load_avg": [load_before, load_avg()],
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,452 @@
+"""The periodic planner: schedules in, occurrence jobs out, ahead of time.
+
+The leader runs :meth:`Planner.plan_pass` every tick. It reads the schedules
+whose next instant enters the horizon (``celery_sched_plan_horizon`` seconds
+ahead of the store's clock), asks :func:`celery_sched.schedules.plan` which
+occurrences to materialize, and commits, per batch and in one transaction,
+the new job rows (one per occurrence, keyed
+``schedules.occurrence_key(name, nominal)``) and each schedule's new cursor.
+The staging and dispatch path then treats them like any other job.
+
+Why this is safe to run twice at once (an old leader that has not noticed
+yet, and the new one): occurrence keys are unique, so a racing planner skips
+what the other wrote; and a schedule's cursor only moves if the schedule
+still has the version the planner read, so a user's change (which bumps the
+version and withdraws the not-yet-due occurrences) is never overwritten by a
+plan made from the old definition.
+
+The next occurrence is always computed from the previous *nominal* instant
+(the cursor), never from when the planner ran, so nothing drifts.
+
+Overlap ``skip`` schedules are planned one occurrence at a time: the next
+one is materialized only once the previous one finished; if the previous is
+still unfinished when the next instant arrives, that instant is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from celery_sched import schedules
+from celery_sched.errors import InvalidJob, InvalidSchedule, UnknownTimezone
+from celery_sched.interfaces import JobStore
+from celery_sched.models import (
+    EMPTY_OPTIONS,
+    MESSAGE_OPTIONS,
+    MisfirePolicy,
+    NewJob,
+    NewSchedule,
+    OverlapPolicy,
+    ScheduleAdvance,
+    ScheduleSpec,
+    StoredSchedule,
+    SyncResult,
+)
+from celery_sched.settings import Settings
+from celery_sched.validation import JobBuilder, _UUID7Source
+
+logger = logging.getLogger(__name__)
+
+#: How far before an instant a cursor is placed so that the schedule's next
+#: instant after the cursor is exactly that one (all kinds but intervals).
+#: Crontab instants are whole minutes and solar ones whole seconds, rounded
+#: to the nearest: less than a second before could lie after the raw event.
+_JUST_BEFORE = dt.timedelta(seconds=1)
+_MIN_INSTANT = dt.datetime.min.replace(tzinfo=dt.UTC)
+
+
+# -- schedules as rows ------------------------------------------------------------
+
+
+def schedule_row(
+    spec: ScheduleSpec, builder: JobBuilder, *, now: dt.datetime, check_task: bool = False
+) -> NewSchedule:
+    """The row of ``spec``: its task body serialized once, its first instant
+    computed at ``now`` (:func:`first_nominal`).
+
+    Raises :class:`~celery_sched.errors.InvalidSchedule` naming the problem
+    (arguments the serializer refuses, a payload over the limit, an invalid
+    option, or with ``check_task`` an unregistered task).
+    """
+    try:
+        sample = builder.build(
+            spec.task,
+            spec.args,
+            dict(spec.kwargs),
+            eta=now,
+            key=schedules.occurrence_key(spec.name, now),
+            check_task=check_task,
+            now=lambda: now,
+            options=spec.options,
+        )
+    except UnknownTimezone:
+        raise
+    except InvalidJob as exc:
+        raise InvalidSchedule(f"schedule {spec.name!r}: {exc}") from exc
+    return NewSchedule(
+        name=spec.name,
+        task=spec.task,
+        kind=spec.kind,
+        spec=dict(spec.spec),
+        body=sample.body,
+        content_type=sample.content_type,
+        content_encoding=sample.content_encoding,
+        argsrepr=sample.argsrepr,
+        kwargsrepr=sample.kwargsrepr,
+        options=dict(spec.options),
+        timezone=spec.timezone,
+        misfire=None if spec.misfire is None else spec.misfire.value,
+        overlap=spec.overlap.value,
+        catchup_window=spec.catchup_window,
+        max_catchup=spec.max_catchup,
+        relative=spec.relative,
+        enabled=spec.enabled,
+        source=spec.source,
+        next_nominal_at=first_nominal(spec, now),
+    )
+
+
+def first_nominal(spec: ScheduleSpec, now: dt.datetime) -> dt.datetime | None:
+    """The first instant of a schedule added (or restarted) at ``now``.
+
+    The first instant after ``now``, except for a clocked one-off, whose
+    instant is its time even when that has passed: the misfire policy then
+    decides whether it still runs (``once``, the default, runs it).
+    """
+    if spec.kind == "clocked":
+        return schedules.next_after(spec, _MIN_INSTANT)
+    return schedules.first_after(spec, now)
+
+
+def cursor_before(spec: ScheduleSpec, instant: dt.datetime) -> dt.datetime:
+    """A cursor whose next instant is ``instant`` (an instant of ``spec``).
+
+    Intervals step from the cursor, so it must be exactly one interval
+    earlier; every other kind is absolute in time, and any moment between
+    the previous instant and ``instant`` will do.
+    """
+    if spec.kind == "interval":
+        return instant - dt.timedelta(seconds=float(spec.spec["seconds"]))
+    return instant - _JUST_BEFORE
+
+
+def spec_of(row: StoredSchedule) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of a stored row (what :func:`schedules.plan` reads).
+
+    Raises InvalidSchedule / UnknownTimezone if the stored definition no
+    longer validates (a timezone removed from tzdata, say).
+    """
+    return ScheduleSpec(
+        name=row.name,
+        task=row.task,
+        kind=row.kind,
+        spec=row.spec,
+        timezone=row.timezone,
+        misfire=None if row.misfire is None else MisfirePolicy(row.misfire),
+        overlap=OverlapPolicy(row.overlap),
+        catchup_window=row.catchup_window,
+        max_catchup=row.max_catchup,
+        relative=row.relative,
+        enabled=row.enabled,
+        source=row.source,
+    )
+
+
+# -- planning ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PassResult:
+    """What one :meth:`Planner.plan_pass` did.
+
+    ``written`` holds ``(id, due_at, shard)`` of every occurrence inserted,
+    for the engine to stage those its stager has already passed. ``more``
+    is true when the pass stopped at its time budget with schedules left.
+    """
+
+    schedules: int = 0
+    written: list[tuple[Any, dt.datetime, int]] = dataclasses.field(default_factory=list)
+    skipped: int = 0
+    busy: int = 0
+    stale: int = 0
+    parked: int = 0
+    more: bool = False
+
+
+@dataclasses.dataclass
+class PlannerStats:
+    """Counters since start (``info``, the CLI, tests)."""
+
+    passes: int = 0
+    schedules: int = 0
+    occurrences: int = 0
+    skipped: int = 0
+    busy: int = 0
+    stale: int = 0
+    parked: int = 0
+    syncs: int = 0
+
+
+class Planner:
+    """Materializes the occurrences of stored schedules, and syncs the static ones.
+
+    ``static`` are the schedules the code defines (``beat_schedule`` and
+    decorated tasks, :func:`celery_sched.schedules.specs_from_app`);
+    :meth:`sync_static` writes them. ``app`` serializes their arguments and
+    decides job shards; ``clock`` (monotonic seconds) bounds a pass.
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        settings: Settings,
+        *,
+        app: Any,
+        static: Sequence[ScheduleSpec] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.app = app
+        self.static = list(static)
+        self.stats = PlannerStats()
+        self._clock = clock
+        self._builder: JobBuilder | None = None
+        self._ids = _UUID7Source()
+        self._default_misfire = MisfirePolicy(settings.misfire_policy)
+
+    @property
+    def builder(self) -> JobBuilder:
+        if self._builder is None:
+            self._builder = JobBuilder(self.app, self.settings)
+        return self._builder
+
+    # -- static schedules ---------------------------------------------------
+
+    def sync_static(self) -> SyncResult:
+        """Make the stored static schedules match :attr:`static` (one transaction).
+
+        New ones are added, changed ones replaced, those gone from the code
+        disabled (history kept); dynamic schedules are left alone, also when
+        a static one has their name (logged as a conflict).
+        """
+        now = self.store.now()
+        rows = [schedule_row(spec, self.builder, now=now) for spec in self.static]
+        result = self.store.sync_static_schedules(rows)
+        self.stats.syncs += 1
+        if result.conflicts:
+            shown = ", ".join(repr(name) for name in result.conflicts[:10])
+            logger.warning(
+                "%d static schedule(s) not synced: the name is taken by a schedule created "
+                "through the API (%s); rename one of them",
+                len(result.conflicts),
+                shown,
+            )
+        return result
+
+    # -- occurrences ----------------------------------------------------------
+
+    def plan_pass(
+        self, *, shard: int = 0, shards: int = 1, budget: float | None = None
+    ) -> PassResult:
+        """Materialize every occurrence up to the horizon of the schedules of
+        ``shard`` (``id % shards``), in batches of ``plan_batch_size``.
+
+        Stops early, with ``more`` set, once ``budget`` seconds have passed,
+        so the leader loop stays responsive; the next pass goes on.
+        """
+        settings = self.settings
+        now = self.store.now()
+        horizon = now + dt.timedelta(seconds=settings.plan_horizon)
+        deadline = None if budget is None else self._clock() + budget
+        batch = settings.plan_batch_size
+        after: tuple[dt.datetime, int] | None = None
+        totals = {"schedules": 0, "skipped": 0, "busy": 0, "stale": 0}
+        parked_before = self.stats.parked
+        written: list[tuple[Any, dt.datetime, int]] = []
+        more = False
+        while True:
+            rows = self.store.due_schedules(
+                horizon=horizon, shard=shard, shards=shards, limit=batch, after=after
+            )
+            if not rows:
+                break
+            last = rows[-1]
+            assert last.next_nominal_at is not None  # only such rows are due
+            after = (last.next_nominal_at, last.id)
+            guarded = [row.id for row in rows if row.overlap == OverlapPolicy.SKIP]
+            busy = self.store.busy_schedules(guarded) if guarded else set()
+            advances: list[ScheduleAdvance] = []
+            for row in rows:
+                advance, skipped = self._advance(row, now, horizon, busy=row.id in busy)
+                totals["skipped"] += skipped
+                if advance is not None:
+                    advances.append(advance)
+            commit = self.store.commit_plans(advances)
+            written.extend(commit.written)
+            totals["schedules"] += len(rows)
+            totals["busy"] += commit.busy
+            totals["stale"] += commit.stale
+            if len(rows) < batch:
+                break
+            if deadline is not None and self._clock() >= deadline:
+                more = True
+                break
+        result = PassResult(
+            written=written, more=more, parked=self.stats.parked - parked_before, **totals
+        )
+        self._count(result)
+        return result
+
+    def _advance(
+        self, row: StoredSchedule, now: dt.datetime, horizon: dt.datetime, *, busy: bool
+    ) -> tuple[ScheduleAdvance | None, int]:
+        """One schedule's step (``None``: leave it as it is) and how many
+        occurrences it skipped."""
+        assert row.next_nominal_at is not None
+        s = self.settings
+        try:
+            spec = spec_of(row)
+            cursor = row.last_nominal_at
+            if cursor is None:
+                cursor = cursor_before(spec, row.next_nominal_at)
+            one_at_a_time = spec.overlap is OverlapPolicy.SKIP
+            if one_at_a_time and busy:
+                if row.next_nominal_at > now:
+                    return None, 0  # wait: the previous one may finish in time
+                # The previous occurrence is still unfinished at this one's
+                # time: overlap "skip" drops every instant up to now.
+                plan = schedules.plan(
+                    dataclasses.replace(spec, misfire=MisfirePolicy.SKIP),
+                    last_nominal=cursor,
+                    now=now,
+                    horizon=now,
+                    default_misfire=MisfirePolicy.SKIP,
+                    catchup_window=s.catchup_window,
+                    max_catchup=s.max_catchup,
+                    grace=s.misfire_grace,
+                    limit=s.plan_batch_size,
+                )
+                advance = ScheduleAdvance(
+                    schedule_id=row.id,
+                    version=row.version,
+                    last_nominal_at=plan.cursor,
+                    next_nominal_at=plan.next_nominal,
+                )
+                return advance, plan.skipped + len(plan.occurrences)
+            plan = schedules.plan(
+                spec,
+                last_nominal=cursor,
+                now=now,
+                horizon=horizon,
+                default_misfire=self._default_misfire,
+                catchup_window=s.catchup_window,
+                max_catchup=s.max_catchup,
+                grace=s.misfire_grace,
+                limit=1 if one_at_a_time else s.plan_batch_size,
+            )
+            occurrences = plan.occurrences
+            last_nominal, next_nominal = plan.cursor, plan.next_nominal
+            if one_at_a_time and len(occurrences) > 1:
+                # One at a time: the rest stay ahead of the cursor and are
+                # planned once this one has finished.
+                occurrences = occurrences[:1]
+                last_nominal = occurrences[0]
+                next_nominal = schedules.next_after(spec, last_nominal)
+            jobs = [self._occurrence(row, nominal, now) for nominal in occurrences]
+        except (InvalidSchedule, UnknownTimezone) as exc:
+            # A stored definition that no longer evaluates: park it (no next
+            # instant) instead of failing every pass; an update revives it.
+            logger.error("schedule %r cannot be planned and is parked: %s", row.name, exc)
+            self.stats.parked += 1
+            advance = ScheduleAdvance(
+                schedule_id=row.id,
+                version=row.version,
+                last_nominal_at=row.last_nominal_at,
+                next_nominal_at=None,
+            )
+            return advance, 0
+        advance = ScheduleAdvance(
+            schedule_id=row.id,
+            version=row.version,
+            last_nominal_at=last_nominal,
+            next_nominal_at=next_nominal,
+            occurrences=jobs,
+            skip_if_busy=one_at_a_time,
+        )
+        return advance, plan.skipped
+
+    def _occurrence(self, row: StoredSchedule, nominal: dt.datetime, now: dt.datetime) -> NewJob:
+        return occurrence_job(
+            row,
+            nominal,
+            now=now,
+            job_id=self._ids.next(),
+            max_attempts=self.settings.max_attempts,
+            shard_of=self.builder.shard_of,
+        )
+
+    def _count(self, result: PassResult) -> None:
+        stats = self.stats
+        stats.passes += 1
+        stats.schedules += result.schedules
+        stats.occurrences += len(result.written)
+        stats.skipped += result.skipped
+        stats.busy += result.busy
+        stats.stale += result.stale
+
+
+def occurrence_job(
+    row: StoredSchedule,
+    nominal: dt.datetime,
+    *,
+    now: dt.datetime,
+    job_id: Any,
+    max_attempts: int,
+    shard_of: Callable[[str], int],
+) -> NewJob:
+    """The job of one occurrence of ``row`` at ``nominal``: the schedule's
+    stored body and options, due at the nominal instant.
+
+    ``expires`` counts from the nominal instant, or from ``now`` for an
+    occurrence run late (a missed one caught up), as beat counts it from
+    sending.
+    """
+    options = row.options
+    message = {
+        name: value
+        for name, value in options.items()
+        if name in MESSAGE_OPTIONS and value is not None
+    }
+    expires = options.get("expires")
+    expires_at = (
+        None if expires is None else max(nominal, now) + dt.timedelta(seconds=float(expires))
+    )
+    key = schedules.occurrence_key(row.name, nominal)
+    return NewJob(
+        id=job_id,
+        key=key,
+        task=row.task,
+        body=row.body,
+        content_type=row.content_type,
+        content_encoding=row.content_encoding,
+        argsrepr=row.argsrepr,
+        kwargsrepr=row.kwargsrepr,
+        options=message or EMPTY_OPTIONS,
+        due_at=nominal,
+        expires_at=expires_at,
+        max_attempts=int(options.get("max_attempts") or max_attempts),
+        shard=shard_of(key),
+        schedule_id=row.id,
+        visibility_timeout=_seconds(options.get("visibility_timeout")),
+        max_runtime=_seconds(options.get("max_runtime")),
+    )
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else float(value)
