@@ -20,7 +20,7 @@ celery_sched.Task tasks/s (target: below 1.5), ``tracking_cost`` the
 fraction of plain throughput status tracking costs (target: below 20%).
 
     .venv/bin/python benchmarks/worker_overhead.py [--jobs 20000] [--rounds 5]
-        [--pool threads|solo] [--concurrency 4] [--broker redis|amqp]
+        [--pool threads|solo|prefork] [--concurrency 4] [--broker redis|amqp]
 
 The module is also the worker's Celery app (``celery -A worker_overhead``),
 configured from ``BENCH_*`` variables. The last line printed is one JSON object.
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,32 +81,49 @@ if MODE == "tracking":
 
 
 class _Stamps:
-    """First task start and last task end in this worker process (threads/solo pools)."""
+    """First task start and last task end across the worker's processes.
+
+    The counters live in shared memory created when the app module is
+    imported, which the worker's main process does before it forks its
+    prefork children, so solo, threads and prefork pools report the same way.
+    CPU is each process's own CPU time from its first task to its latest one.
+    """
+
+    FIRST, LAST, DONE, CPU = range(4)
 
     def __init__(self) -> None:
         self.expected = int(os.environ.get("BENCH_N", "0"))
         self.path = os.environ.get("BENCH_STAMP", "")
-        self.first: float | None = None
-        self.first_cpu = 0.0
-        self.done = 0
-        self.lock = threading.Lock()
+        self.shared = multiprocessing.Array("d", 4)
+        self.pid = 0
+        self.cpu_seen = 0.0
+
+    def _process(self) -> None:
+        # First task in this process (a fresh prefork child, or the solo/
+        # threads worker): CPU is counted from here.
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            self.cpu_seen = time.process_time()
 
     def started(self, **_: Any) -> None:
-        if self.first is None:
-            with self.lock:
-                if self.first is None:
-                    self.first = time.time()
-                    self.first_cpu = time.process_time()
+        with self.shared.get_lock():
+            self._process()
+            if self.shared[self.FIRST] == 0.0:
+                self.shared[self.FIRST] = time.time()
 
     def finished(self, **_: Any) -> None:
-        with self.lock:
-            self.done += 1
-            if self.done != self.expected:
+        with self.shared.get_lock():
+            self._process()
+            now = time.process_time()
+            self.shared[self.CPU] += now - self.cpu_seen
+            self.cpu_seen = now
+            self.shared[self.DONE] += 1
+            if self.shared[self.DONE] != self.expected:
                 return
             last = time.time()
-            cpu = time.process_time() - self.first_cpu
+            first, cpu = self.shared[self.FIRST], self.shared[self.CPU]
         Path(self.path).write_text(
-            json.dumps({"first": self.first, "last": last, "n": self.done, "cpu": cpu})
+            json.dumps({"first": first, "last": last, "n": self.expected, "cpu": cpu})
         )
 
 
@@ -244,7 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20_000, help="tasks per mode and round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--pool", default="threads", choices=["threads", "solo"])
+    parser.add_argument("--pool", default="threads", choices=["threads", "solo", "prefork"])
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--broker", default="redis", help="redis, amqp, or a broker URL")
     ns = parser.parse_args()
