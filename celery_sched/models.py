@@ -229,7 +229,8 @@ class Job:
         return self.decode()[1]
 
 
-_JOB_FIELDS = tuple(field.name for field in dataclasses.fields(Job))
+#: The fields of :class:`Job`, in order (row loaders select columns in this order).
+JOB_FIELDS = tuple(field.name for field in dataclasses.fields(Job))
 _JOB_DATETIMES = (
     "due_at",
     "expires_at",
@@ -251,7 +252,7 @@ class _JobDraft:
     retyping it as a Job gives the same object for a fraction of that.
     """
 
-    __slots__ = _JOB_FIELDS
+    __slots__ = JOB_FIELDS
 
     def __init__(
         self,
@@ -316,10 +317,10 @@ def jobs_from_rows(names: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[
     Checks what ``Job.__post_init__`` checks: the status is a known
     :class:`JobStatus` and datetimes are aware (converted to UTC).
     """
-    if tuple(names) != _JOB_FIELDS:
-        if sorted(names) != sorted(_JOB_FIELDS):
+    if tuple(names) != JOB_FIELDS:
+        if sorted(names) != sorted(JOB_FIELDS):
             raise ValueError(f"rows must have exactly the Job fields, got {list(names)}")
-        order = [list(names).index(name) for name in _JOB_FIELDS]
+        order = [list(names).index(name) for name in JOB_FIELDS]
         rows = ([row[i] for i in order] for row in rows)
     jobs: list[Job] = []
     append = jobs.append

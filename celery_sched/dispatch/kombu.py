@@ -80,6 +80,38 @@ def _dumps_envelope(envelope: dict[str, Any]) -> bytes:
         return json.dumps(envelope).encode()
 
 
+def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> None:
+    """``LPUSH key *payloads`` for each list: one write, one round trip.
+
+    The commands are packed here: for hundreds of kilobyte-sized values a
+    plain join is about ten times faster than redis-py's hiredis packer,
+    which took an eighth of the dispatch loop's time. Kombu's
+    ``global_keyprefix`` is applied as its own client applies it. On any
+    failure the connection is dropped, so no unread reply is left on it.
+    """
+    prefix = getattr(client, "global_keyprefix", None) or ""
+    parts: list[bytes] = []
+    append = parts.append
+    for key, payloads in lists.items():
+        name = (prefix + key).encode()
+        append(b"*%d\r\n$5\r\nLPUSH\r\n$%d\r\n%s\r\n" % (len(payloads) + 2, len(name), name))
+        for payload in payloads:
+            append(b"$%d\r\n" % len(payload))
+            append(payload)
+            append(b"\r\n")
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command([b"".join(parts)])
+        for _ in lists:
+            conn.read_response()
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Route:
     """Where messages of one (task, per-job destination) go."""
@@ -536,10 +568,7 @@ class KombuDispatcher(Dispatcher):
                         else:
                             payloads.append(payload)
                     if lists:
-                        pipe = client.pipeline(transaction=False)
-                        for key, payloads in lists.items():
-                            pipe.lpush(key, *payloads)
-                        pipe.execute()
+                        _push_lists(client, lists)
                     for index in range(done, end):
                         job_id = todo[index].job_id
                         if not rejected or job_id not in rejected:

@@ -85,6 +85,7 @@ from celery_sched.errors import (
 from celery_sched.interfaces import JobStore
 from celery_sched.models import (
     FINISHED_STATUSES,
+    JOB_FIELDS,
     NEW_JOB_ROW,
     UNFINISHED_STATUSES,
     Job,
@@ -472,9 +473,10 @@ class _Queries:
         # Options come back as text: most claimed jobs share a handful of
         # option sets, which _claimed_jobs decodes once per batch instead of
         # running the JSON loader per row.
+        # In Job field order, so rows load without reordering.
         returned = [
-            cast(column, Text).label("options") if column.name == "options" else column
-            for column in c
+            cast(c.options, Text).label("options") if name == "options" else c[name]
+            for name in JOB_FIELDS
         ]
         return (
             update(self.jobs)

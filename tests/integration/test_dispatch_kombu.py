@@ -21,6 +21,7 @@ from celery import Celery
 from kombu.serialization import dumps
 from kombu.utils.encoding import safe_repr
 
+from celery_sched.dispatch import kombu as kombu_dispatch
 from celery_sched.dispatch.kombu import KombuDispatcher
 from celery_sched.models import Job, JobStatus
 from celery_sched.settings import Settings
@@ -299,15 +300,15 @@ def test_failed_flush_midway_republishes_only_unconfirmed_chunks(
         app, Settings(redis_url=redis_url, retry_backoff=0.01), chunk=2, sleep=lambda _: None
     )
     calls = {"n": 0}
-    real_execute = redis.client.Pipeline.execute
+    real_push = kombu_dispatch._push_lists
 
-    def flaky_execute(self: redis.client.Pipeline, *args: Any, **kwargs: Any) -> Any:
+    def flaky_push(client: Any, lists: dict[str, list[bytes]]) -> None:
         calls["n"] += 1
         if calls["n"] == 2:  # the second chunk's round trip is lost
             raise redis.exceptions.ConnectionError("connection reset")
-        return real_execute(self, *args, **kwargs)
+        real_push(client, lists)
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", flaky_execute)
+    monkeypatch.setattr(kombu_dispatch, "_push_lists", flaky_push)
     jobs = [make_job(RECORD_TASK, (i,)) for i in range(6)]
     client = redis.Redis.from_url(redis_url)
     try:
@@ -322,4 +323,31 @@ def test_failed_flush_midway_republishes_only_unconfirmed_chunks(
     finally:
         dispatcher.close()
         client.delete(unique_name, f"_kombu.binding.{unique_name}")
+        client.close()
+
+
+def test_redis_global_keyprefix_is_applied(redis_url: str, unique_name: str) -> None:
+    """Messages land in the prefixed list a Kombu consumer with the same prefix reads."""
+    prefix = f"pfx_{unique_name}:"
+    app = make_app(redis_url, unique_name + "_routed")
+    app.conf.task_default_queue = unique_name
+    app.conf.broker_transport_options = {"global_keyprefix": prefix}
+    dispatcher = KombuDispatcher(app, Settings(redis_url=redis_url))
+    jobs = [make_job(RECORD_TASK, (i,)) for i in range(3)]
+    client = redis.Redis.from_url(redis_url)
+    try:
+        result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+        assert result.sent == [job.id for job in jobs]
+        assert client.llen(unique_name) == 0
+        assert client.llen(prefix + unique_name) == len(jobs)
+        received = []
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            while (message := channel.basic_get(unique_name, no_ack=True)) is not None:
+                received.append(message.headers["id"])
+        assert received == [str(job.id) for job in jobs]
+    finally:
+        dispatcher.close()
+        keys = client.keys(f"{prefix}*")
+        client.delete(*keys, unique_name, f"_kombu.binding.{unique_name}")
         client.close()
