@@ -121,6 +121,8 @@ class Engine:
         # due is then due by Postgres too when it is claimed.
         self._offset = dt.timedelta(0)
         self._staged_until: dt.datetime | None = None
+        #: The latest due time the current sweep has claimed through.
+        self._swept_through: dt.datetime | None = None
         self._next_stage = 0.0
         self._next_sweep = 0.0
         self._next_reconcile = 0.0
@@ -191,7 +193,7 @@ class Engine:
 
     def _elected(self, epoch: int) -> None:
         self._epoch = epoch
-        self._staged_until = None
+        self._staged_until = self._swept_through = None
         self._next_stage = self._next_sweep = self._next_reconcile = self._next_plan = 0.0
         # Shard 0's leader owns the static schedules; syncing them on every
         # election picks up a deploy that changed them.
@@ -202,7 +204,7 @@ class Engine:
     def _step_down(self, why: str) -> None:
         logger.warning("shard %d: stepping down (%s)", self.shard, why)
         self._epoch = None
-        self._staged_until = None
+        self._staged_until = self._swept_through = None
         self.stats.step_downs += 1
 
     def _lead(self, epoch: int) -> float:
@@ -286,7 +288,13 @@ class Engine:
         if not self.elector.is_leader():
             return False
         try:
-            ids = self.staging.pop_due(self.shard, self.store_now(), self.settings.batch_size)
+            ids = self.staging.pop_due(
+                self.shard,
+                self.store_now(),
+                self.settings.batch_size,
+                drop_through=self._swept_through,
+            )
+            self._swept_through = None
         except StagingUnavailable as exc:
             logger.warning("staging unavailable (%s); sweeping from Postgres", exc)
             self._next_sweep = min(self._next_sweep, self._clock() + self.settings.max_tick)
@@ -321,6 +329,10 @@ class Engine:
                 if len(jobs) >= batch and self.elector.is_leader():
                     ahead = self._claimer.submit(self._claim_batch, epoch)
                 self._publish(jobs, epoch)
+                # The sweep claims oldest first: staged copies due up to
+                # here were taken (or skipped as locked: the next sweep
+                # claims those), so the next pop discards them unread.
+                self._swept_through = max(job.due_at for job in jobs)
                 total += len(jobs)
                 batches += 1
                 if ahead is not None and batches % STAGED_EVERY == 0:

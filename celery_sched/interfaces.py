@@ -383,9 +383,21 @@ class Staging(abc.ABC):
         """Stage ``(id, due_at)`` pairs; return how many were new."""
 
     @abc.abstractmethod
-    def pop_due(self, shard: int, now: dt.datetime, limit: int) -> list[uuid.UUID]:
+    def pop_due(
+        self,
+        shard: int,
+        now: dt.datetime,
+        limit: int,
+        *,
+        drop_through: dt.datetime | None = None,
+    ) -> list[uuid.UUID]:
         """Atomically remove and return up to ``limit`` ids scored at or before
-        ``now``, earliest first."""
+        ``now``, earliest first.
+
+        ``drop_through``: first discard, unreturned, every id scored at or
+        before it (the sweep has claimed past that time, so those copies
+        would only be found taken; any it skipped stay pending in the store).
+        """
 
     @abc.abstractmethod
     def next_due(self, shard: int) -> dt.datetime | None:

@@ -72,12 +72,31 @@ class MemoryStaging(Staging):
             zset = self._shard(shard)
             return sum(zset.add(member, score) for member, score in pairs)
 
-    def pop_due(self, shard: int, now: dt.datetime, limit: int) -> list[uuid.UUID]:
+    def pop_due(
+        self,
+        shard: int,
+        now: dt.datetime,
+        limit: int,
+        *,
+        drop_through: dt.datetime | None = None,
+    ) -> list[uuid.UUID]:
         if limit < 0:
             raise ValueError(f"limit must not be negative, got {limit}")
         max_score = to_epoch_seconds(ensure_utc(now, name="now"))
+        drop_score = (
+            None
+            if drop_through is None
+            else to_epoch_seconds(ensure_utc(drop_through, name="drop_through"))
+        )
+        if limit == 0:
+            return []
         with self._lock:
             zset = self._shard(shard)
+            if drop_score is not None:
+                dropped = zset.order[: bisect.bisect_right(zset.order, (drop_score, "\uffff"))]
+                del zset.order[: len(dropped)]
+                for _, member in dropped:
+                    del zset.scores[member]
             # Everything sorting before (max_score, +inf) has score <= max_score.
             due = bisect.bisect_right(zset.order, (max_score, "\uffff"))
             taken = zset.order[: min(due, limit)]

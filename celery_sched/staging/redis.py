@@ -116,16 +116,26 @@ class RedisStaging(Staging):
         # stored; ZADD is idempotent, only the "new" count may come out low.
         return self._pipelined(pairs, zadd, f"staging add of {len(pairs)} ids to {key}")
 
-    def pop_due(self, shard: int, now: dt.datetime, limit: int) -> list[uuid.UUID]:
+    def pop_due(
+        self,
+        shard: int,
+        now: dt.datetime,
+        limit: int,
+        *,
+        drop_through: dt.datetime | None = None,
+    ) -> list[uuid.UUID]:
         if limit < 0:
             raise ValueError(f"limit must not be negative, got {limit}")
         max_score = to_epoch_seconds(ensure_utc(now, name="now"))
+        args: list[Any] = [repr(max_score), limit]
+        if drop_through is not None:
+            args.append(repr(to_epoch_seconds(ensure_utc(drop_through, name="drop_through"))))
         if limit == 0:
             return []  # nothing to ask Redis for
         key = self.key(shard)
 
         def run() -> list[Any]:
-            result: list[Any] = self._pop_due(keys=[key], args=[repr(max_score), limit])
+            result: list[Any] = self._pop_due(keys=[key], args=args)
             return result
 
         # If a reply is lost after the script ran, the popped ids are gone

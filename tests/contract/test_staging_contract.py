@@ -91,6 +91,25 @@ def test_pop_due_takes_at_most_limit_in_order(staging: Staging) -> None:
     assert staging.size(0) == 0
 
 
+def test_pop_due_drops_ids_through_the_given_time_unreturned(staging: Staging) -> None:
+    jobs = ids(6)
+    staging.add(0, [(j, at(i)) for i, j in enumerate(jobs)])  # due at 0 .. 5
+    # Through 2 (inclusive) are dropped; of the rest, those due by 4 come back.
+    assert staging.pop_due(0, at(4), 10, drop_through=at(2)) == jobs[3:5]
+    assert staging.size(0) == 1
+    assert staging.next_due(0) == at(5)
+    # A drop time past "now" drops the future too, and returns nothing.
+    assert staging.pop_due(0, at(0), 10, drop_through=at(9)) == []
+    assert staging.size(0) == 0
+
+
+def test_pop_due_with_zero_limit_drops_nothing(staging: Staging) -> None:
+    (a,) = ids(1)
+    staging.add(0, [(a, at(0))])
+    assert staging.pop_due(0, at(0), 0, drop_through=at(1)) == []
+    assert staging.size(0) == 1
+
+
 def test_equal_scores_pop_in_member_order(staging: Staging) -> None:
     jobs = ids(20)
     staging.add(0, [(j, at(0)) for j in jobs])
@@ -111,6 +130,8 @@ def test_naive_datetimes_are_refused(staging: Staging) -> None:
         staging.add(0, [(uuid.uuid4(), dt.datetime(2030, 1, 1))])
     with pytest.raises(ValueError, match="timezone-aware"):
         staging.pop_due(0, dt.datetime(2030, 1, 1), 10)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        staging.pop_due(0, at(0), 10, drop_through=dt.datetime(2030, 1, 1))
     assert staging.size(0) == 0
 
 
