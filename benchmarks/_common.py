@@ -330,6 +330,59 @@ def watch_depth(
         time.sleep(interval)
 
 
+def arrival_window(samples: list[tuple[float, int]]) -> tuple[float, float, int]:
+    """``(first arrival, last arrival, final depth)`` of at least two ``samples``."""
+    final = samples[-1][1]
+    t_first = (samples[0][0] + samples[1][0]) / 2
+    t_last = next(t for t, count in samples if count == final)
+    return t_first, t_last, final
+
+
+class CpuSampler:
+    """Samples a process's CPU time (user + system, from /proc) every ``interval`` s.
+
+    ``used(t0, t1)``: CPU seconds the process spent between two monotonic
+    times, from the nearest samples. CPU per job is steadier than wall-clock
+    throughput on a shared 2-core machine.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.02) -> None:
+        self._stat = Path(f"/proc/{pid}/stat")
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._interval = interval
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _cpu(self) -> float | None:
+        try:
+            fields = self._stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        # After the command name: state is field 3, utime 14 and stime 15.
+        return (int(fields[11]) + int(fields[12])) / self._tick
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            cpu = self._cpu()
+            if cpu is not None:
+                self.samples.append((time.monotonic(), cpu))
+            self._stop.wait(self._interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def used(self, t0: float, t1: float) -> float | None:
+        def at(t: float) -> float | None:
+            before = [cpu for when, cpu in self.samples if when <= t]
+            return before[-1] if before else None
+
+        start, end = at(t0), at(t1)
+        return None if start is None or end is None else end - start
+
+
 def arrival_rate(samples: list[tuple[float, int]], target: int) -> dict[str, Any]:
     """Messages per second between the first and the last arrival seen in ``samples``.
 
@@ -338,9 +391,7 @@ def arrival_rate(samples: list[tuple[float, int]], target: int) -> dict[str, Any
     """
     if len(samples) < 2:
         return {"messages": 0, "seconds": None, "per_s": 0.0}
-    final = samples[-1][1]
-    t_first = (samples[0][0] + samples[1][0]) / 2
-    t_last = next(t for t, count in samples if count == final)
+    t_first, t_last, final = arrival_window(samples)
     seconds = max(t_last - t_first, 1e-3)
     return {
         "messages": final,

@@ -101,6 +101,7 @@ def run(url: str, future: int, due: int, batch: int) -> dict[str, Any]:
         epoch = store.acquire_epoch(0, "bench")
         latencies: list[float] = []
         claimed = 0
+        cpu_started = time.process_time()
         started = time.perf_counter()
         while True:
             t0 = time.perf_counter()
@@ -110,6 +111,7 @@ def run(url: str, future: int, due: int, batch: int) -> dict[str, Any]:
             latencies.append(time.perf_counter() - t0)
             claimed += len(got)
         elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
         if claimed != due:
             raise SystemExit(f"claimed {claimed} rows, expected {due}")
         result = {
@@ -119,6 +121,8 @@ def run(url: str, future: int, due: int, batch: int) -> dict[str, Any]:
             "claimed": claimed,
             "seconds": round(elapsed, 3),
             "rows_per_s": round(claimed / elapsed),
+            # This process's CPU (row loading into Jobs); the rest is the server's.
+            "client_cpu_us_per_row": round(cpu / claimed * 1e6, 2),
             "p50_ms": round(statistics.median(latencies) * 1000, 2),
             "p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
             "insert_many_rows_per_s": round(loaded / load_seconds),

@@ -31,9 +31,11 @@ import time
 from typing import Any
 
 from _common import (
+    CpuSampler,
     QueueDepth,
     Run,
     arrival_rate,
+    arrival_window,
     emit,
     load_avg,
     median,
@@ -81,12 +83,22 @@ def run_ours(broker: str, jobs: int, batch_size: int, index: int, analyze: bool)
         try:
             started = time.monotonic()
             beat = run.start_beat("beat")
-            samples = watch_depth(
-                depth, target=jobs, start_timeout=90, window=600, alive=beat.alive
-            )
+            cpu = CpuSampler(beat.pid)
+            try:
+                samples = watch_depth(
+                    depth, target=jobs, start_timeout=90, window=600, alive=beat.alive
+                )
+            finally:
+                cpu.stop()
         finally:
             depth.close()
         rate = arrival_rate(samples, jobs)
+        cpu_per_job = None
+        if len(samples) >= 2:
+            t_first, t_last, arrived = arrival_window(samples)
+            used = cpu.used(t_first, t_last)
+            if used is not None and arrived:
+                cpu_per_job = used / arrived * 1e6
         startup = samples[0][0] - started if samples else None
         first, last, dispatched = run.dispatched_span()
         beat.stop()
@@ -113,6 +125,8 @@ def run_ours(broker: str, jobs: int, batch_size: int, index: int, analyze: bool)
             **rate,
             "insert_s": round(insert_s, 2),
             "beat_start_to_first_publish_s": rounded(startup, 2),
+            # The beat process's CPU (all threads) per job while publishing.
+            "beat_cpu_us_per_job": rounded(cpu_per_job, 1),
             "pg_dispatched": dispatched,
             "pg_dispatched_span_per_s": None if pg_rate is None else round(pg_rate, 1),
         }
@@ -212,6 +226,9 @@ def main() -> None:
             "measured_by": "queue depth sampled every 20 ms (first to last arrival)",
             "runs": [r["per_s"] for r in ours],
             "jobs_per_s": rounded(our_rate, 1),
+            "beat_cpu_us_per_job": rounded(
+                median([r["beat_cpu_us_per_job"] or 0.0 for r in ours]), 1
+            ),
             "pg_dispatched_span_per_s": rounded(
                 median([r["pg_dispatched_span_per_s"] or 0.0 for r in ours]), 1
             ),

@@ -67,17 +67,88 @@ DEFAULT_CHUNK = 500
 _NO_AUTO_FLUSH = 1 << 30
 
 
-def _dumps_envelope(envelope: dict[str, Any]) -> bytes:
-    """JSON of one Redis message envelope, as Kombu's transport reads it.
+def _dumps(value: Any) -> bytes:
+    """JSON of ``value`` for a Redis message envelope.
 
     orjson is about ten times faster than ``json.dumps`` here, which is a
     fifth of the per-message cost of the publish path; anything it refuses
     (integers beyond 64 bits, say) goes through the standard encoder.
     """
     try:
-        return orjson.dumps(envelope, option=orjson.OPT_NON_STR_KEYS)
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:
-        return json.dumps(envelope).encode()
+        return json.dumps(value).encode()
+
+
+class _RedisEnvelopes:
+    """The JSON envelopes of one publish call, as Kombu's Redis transport writes them.
+
+    The same object as ``{"body", "content-encoding", "content-type",
+    "headers", "properties"}`` with Kombu's properties, but only the
+    per-message parts (body, headers, task id, tag, expiration) are encoded
+    per message; what a route and priority share is encoded once and
+    spliced in. About half the cost of dumping the whole dict each time.
+    """
+
+    def __init__(self, reply_to: str) -> None:
+        self._reply_to = _dumps(reply_to)
+        # Kombu tags each message with a fresh uuid4; any string unique
+        # across publishers works, and a random per-call prefix plus a
+        # counter costs a fraction of a uuid4 per message.
+        self._tag = uuid.uuid4().hex.encode() + b"-%d"
+        self._tags = itertools.count()
+        self._heads: dict[tuple[str, str], bytes] = {}
+        self._properties: dict[tuple[int, int], bytes] = {}
+
+    def encode(self, message: _Message, priority: int) -> bytes:
+        head_key = (message.content_encoding, message.content_type)
+        head = self._heads.get(head_key)
+        if head is None:
+            head = self._heads[head_key] = b"".join(
+                (
+                    b'","content-encoding":',
+                    _dumps(message.content_encoding),
+                    b',"content-type":',
+                    _dumps(message.content_type),
+                    b',"headers":',
+                )
+            )
+        route = message.route
+        # Routes are cached by the dispatcher and outlive this call.
+        properties_key = (id(route), priority)
+        properties = self._properties.get(properties_key)
+        if properties is None:
+            properties = self._properties[properties_key] = b"".join(
+                (
+                    b',"properties":{"reply_to":',
+                    self._reply_to,
+                    b',"delivery_mode":',
+                    _dumps(route.delivery_mode),
+                    b',"delivery_info":',
+                    _dumps({"exchange": "", "routing_key": route.routing_key}),
+                    b',"priority":',
+                    _dumps(priority),
+                    b',"body_encoding":"base64","correlation_id":',
+                )
+            )
+        expiration = b""
+        if message.expiration is not None:
+            milliseconds = int(max(message.expiration, 0.0) * 1000)
+            expiration = b',"expiration":"%d"' % milliseconds
+        return b"".join(
+            (
+                b'{"body":"',
+                base64.b64encode(message.body),
+                head,
+                _dumps(message.headers),
+                properties,
+                _dumps(message.task_id),
+                expiration,
+                b',"delivery_tag":"',
+                self._tag % next(self._tags),
+                b'"}}',
+            )
+        )
 
 
 def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> None:
@@ -494,14 +565,7 @@ class KombuDispatcher(Dispatcher):
         right. Chunk accounting is the same as in :meth:`_send`.
         """
         channel = producer.channel
-        dumps = _dumps_envelope
-        b64encode = base64.b64encode
-        # Kombu tags each message with a fresh uuid4; any string unique across
-        # publishers works, and a random per-call prefix plus a counter costs
-        # a fraction of a uuid4 per message.
-        tag_prefix = uuid.uuid4().hex
-        tags = itertools.count()
-        reply_to = self._reply_to
+        envelope = _RedisEnvelopes(self._reply_to).encode
         declared = self._declared
         min_priority, max_priority = channel.min_priority, channel.max_priority
         q_for_pri = channel._q_for_pri
@@ -525,31 +589,7 @@ class KombuDispatcher(Dispatcher):
                         try:
                             priority = message.priority or 0
                             priority = max(min(int(priority), max_priority), min_priority)
-                            properties: dict[str, Any] = {
-                                "correlation_id": message.task_id,
-                                "reply_to": reply_to,
-                                "delivery_mode": route.delivery_mode,
-                                "delivery_info": {
-                                    "exchange": "",
-                                    "routing_key": route.routing_key,
-                                },
-                                "priority": priority,
-                                "body_encoding": "base64",
-                                "delivery_tag": f"{tag_prefix}-{next(tags)}",
-                            }
-                            if message.expiration is not None:
-                                properties["expiration"] = str(
-                                    int(max(message.expiration, 0.0) * 1000)
-                                )
-                            payload = dumps(
-                                {
-                                    "body": b64encode(message.body).decode("ascii"),
-                                    "content-encoding": message.content_encoding,
-                                    "content-type": message.content_type,
-                                    "headers": message.headers,
-                                    "properties": properties,
-                                }
-                            )
+                            payload = envelope(message, priority)
                         except (TypeError, ValueError):
                             logger.exception(
                                 "cannot encode job %s (task %s)",

@@ -550,7 +550,7 @@ def _decode_options(rows: list[tuple[Any, ...]], at: int) -> Iterator[list[Any]]
 
 def _sort_due(jobs: list[Job]) -> list[Job]:
     # RETURNING gives no order guarantee; callers publish oldest first.
-    jobs.sort(key=lambda job: (job.due_at, str(job.id)))
+    jobs.sort(key=lambda job: (job.due_at, job.id))
     return jobs
 
 
