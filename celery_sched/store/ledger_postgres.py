@@ -12,10 +12,11 @@ The hot path is one statement on each side of a task execution.
 a dead holder); only when it returns nothing is the row read, to tell a
 completed key from a held one. :meth:`PostgresLedger.complete` is one
 ``UPDATE`` (durable; the acquire commits without waiting for its WAL
-flush, see :class:`_LedgerQueries`). Both run precompiled on one autocommit psycopg connection per
-thread: a pool checkout (with its pre-ping) and SQLAlchemy's per-statement
-work cost several times the statement itself, and a worker pays them twice
-per task. Single statements need no ``BEGIN``/``COMMIT``: each is atomic.
+flush, see :class:`_LedgerQueries`). Both run precompiled on the store's
+autocommit psycopg connection of the calling thread
+(:meth:`~celery_sched.store.postgres.PostgresJobStore.run_raw`): a worker
+pays for them twice per task. Single statements need no ``BEGIN``/``COMMIT``:
+each is atomic.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import os
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -57,7 +56,6 @@ from celery_sched.interfaces import Ledger
 from celery_sched.models import ClaimOutcome, LedgerClaim, LedgerEntry, LedgerState
 from celery_sched.store.postgres import (
     _DIALECT,
-    CONNECT_TIMEOUT,
     PostgresJobStore,
     TransientDatabaseError,
 )
@@ -78,10 +76,6 @@ _RUNNING: ColumnElement[str] = literal_column("'running'")
 _COMPLETED: ColumnElement[str] = literal_column("'completed'")
 _ONE_SECOND = literal_column("interval '1 second'", type_=Interval)
 _DOUBLE = postgresql.DOUBLE_PRECISION
-
-#: Connections inherited over a fork: never used or closed by the child
-#: (closing would end the parent's session), just kept referenced.
-_INHERITED: list[Any] = []
 
 
 def _sql(text: str) -> ColumnElement[Any]:
@@ -212,9 +206,6 @@ class PostgresLedger(Ledger):
         self._complete_keep = _Compiled(self._q.complete_keep_result)
         self._owns_store = owns_store
         self._autocommit: Engine | None = None
-        self._local = threading.local()
-        self._raw_lock = threading.Lock()
-        self._raw_conns: list[psycopg.Connection[Any]] = []
 
     # -- plumbing -----------------------------------------------------------
 
@@ -239,41 +230,7 @@ class PostgresLedger(Ledger):
 
     def _run_raw(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
         """Run ``fn`` on this thread's own autocommit connection (the hot path)."""
-
-        def attempt() -> T:
-            conn = self._raw_connection()
-            try:
-                return fn(conn)
-            except psycopg.Error:
-                if conn.closed or conn.broken:
-                    self._local.conn = None
-                    with contextlib.suppress(psycopg.Error):
-                        conn.close()
-                raise
-
-        return self.store._retry(attempt, what)
-
-    def _raw_connection(self) -> psycopg.Connection[Any]:
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
-        pid = os.getpid()
-        if conn is not None and getattr(self._local, "pid", pid) != pid:
-            _INHERITED.append(conn)
-            conn = None
-        if conn is None or conn.closed:
-            s = self._settings
-            conn = psycopg.connect(
-                s.libpq_conninfo(),
-                autocommit=True,
-                connect_timeout=CONNECT_TIMEOUT,
-                application_name=f"celery_sched[{s.db_schema}] ledger"[:63],
-                options=f"-c statement_timeout={round(s.statement_timeout * 1000)} -c TimeZone=UTC",
-            )
-            self._local.conn = conn
-            self._local.pid = pid
-            with self._raw_lock:
-                self._raw_conns = [c for c in self._raw_conns if not c.closed]
-                self._raw_conns.append(conn)
-        return conn
+        return self.store.run_raw(what, fn)
 
     # -- the Ledger interface -----------------------------------------------
 
@@ -423,11 +380,7 @@ class PostgresLedger(Ledger):
         return total
 
     def close(self) -> None:
-        with self._raw_lock:
-            conns, self._raw_conns = self._raw_conns, []
-        for conn in conns:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
+        # The hot-path connections are the store's (see run_raw).
         if self._owns_store:
             self.store.close()
 

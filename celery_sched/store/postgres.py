@@ -13,10 +13,12 @@ retried (:func:`celery_sched.retry.call_with_retry`) and finally raised as
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 import json
 import logging
+import os
 import re
 import threading
 import uuid
@@ -120,6 +122,9 @@ MIGRATE_LOCK_CLASS = 0x5C4ED
 #: libpq connect timeout in seconds; a host that drops packets must not stall
 #: a retry loop for minutes.
 CONNECT_TIMEOUT = 10
+
+#: Per-thread connections inherited over a fork (see ``_raw_connection``).
+_INHERITED: list[Any] = []
 
 #: Rows per multi-row INSERT in insert_occurrences (keeps the statement under
 #: Postgres's 65535 bind parameter limit).
@@ -427,22 +432,50 @@ class _Queries:
                 last_error=bindparam("error", type_=c.last_error.type),
             )
         )
-        # The same transitions for executemany (batched worker reports):
-        # psycopg pipelines them, but expanding IN lists are not allowed.
+        # The same transitions for batched worker reports: one statement per
+        # kind, its rows passed as parallel arrays (one parameter each, so a
+        # batch costs the client a few list appends per report, not a
+        # statement). Each array holds an id at most once.
+        ids = bindparam("p_ids", type_=postgresql.ARRAY(c.id.type))
+        texts = postgresql.ARRAY(Text)
+        running = (
+            func.unnest(ids, bindparam("p_workers", type_=texts))
+            .table_valued("id", "worker")
+            .render_derived(name="reported", with_types=False)
+        )
         self.batch_running = (
             update(jobs)
-            .where(by_id, c.status == any_(_text_array("dispatched", "retrying", "pending")))
-            .values(status="running", started_at=now, worker=bindparam("p_worker"))
+            .where(
+                c.id == running.c.id,
+                c.status == any_(_text_array("dispatched", "retrying", "pending")),
+            )
+            .values(status="running", started_at=now, worker=running.c.worker)
+        )
+        retrying = (
+            func.unnest(ids, bindparam("p_errors", type_=texts))
+            .table_valued("id", "error")
+            .render_derived(name="reported", with_types=False)
+        )
+        self.batch_retrying = (
+            update(jobs)
+            .where(c.id == retrying.c.id, c.status == "running")
+            .values(status="retrying", last_error=retrying.c.error)
+        )
+        ended = (
+            func.unnest(
+                ids, bindparam("p_statuses", type_=texts), bindparam("p_errors", type_=texts)
+            )
+            .table_valued("id", "status", "error")
+            .render_derived(name="reported", with_types=False)
         )
         self.batch_finished = (
             update(jobs)
-            .where(by_id, c.status != all_(_text_array(*sorted(finished))))
-            .values(
-                status=bindparam("p_status"),
-                finished_at=now,
-                last_error=bindparam("error", type_=c.last_error.type),
-            )
+            .where(c.id == ended.c.id, c.status != all_(_text_array(*sorted(finished))))
+            .values(status=ended.c.status, finished_at=now, last_error=ended.c.error)
         )
+        self.batch_running_raw = _RawStatement(self.batch_running)
+        self.batch_retrying_raw = _RawStatement(self.batch_retrying)
+        self.batch_finished_raw = _RawStatement(self.batch_finished)
         self.cancel = (
             update(jobs)
             .where(c.key == bindparam("p_key"), c.status == _PENDING)
@@ -564,6 +597,9 @@ class PostgresJobStore(JobStore):
         self._sq = _ScheduleQueries(settings.db_schema)
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
+        self._local = threading.local()
+        self._raw_lock = threading.Lock()
+        self._raw_conns: list[psycopg.Connection[Any]] = []
 
     # -- plumbing -----------------------------------------------------------
 
@@ -583,11 +619,6 @@ class PostgresJobStore(JobStore):
         # epoch bump must wait for. Ending sessions idle in a transaction for
         # longer than the lease TTL bounds that wait; the paused claim rolls
         # back and, on waking, meets the new epoch.
-        idle_ms = max(1000, round(s.lease_ttl * 1000))
-        options = (
-            f"-c statement_timeout={round(s.statement_timeout * 1000)} -c TimeZone=UTC "
-            f"-c idle_in_transaction_session_timeout={idle_ms}"
-        )
         # SQLAlchemy opens connections on demand and keeps up to pool_size of
         # them, so pool_max_size bounds the pool and nothing is opened early.
         return create_engine(
@@ -601,9 +632,62 @@ class PostgresJobStore(JobStore):
             connect_args={
                 "connect_timeout": CONNECT_TIMEOUT,
                 "application_name": f"celery_sched[{self._schema}]"[:63],
-                "options": options,
+                "options": self._session_options(),
             },
         )
+
+    def _session_options(self) -> str:
+        s = self._settings
+        idle_ms = max(1000, round(s.lease_ttl * 1000))
+        return (
+            f"-c statement_timeout={round(s.statement_timeout * 1000)} -c TimeZone=UTC "
+            f"-c idle_in_transaction_session_timeout={idle_ms}"
+        )
+
+    def run_raw(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``fn`` on this thread's own autocommit psycopg connection.
+
+        For the per-task hot paths (ledger, status reports): a pool checkout
+        with its pre-ping and SQLAlchemy's per-statement work cost several
+        times a small statement. Retried whole on transient failures, with a
+        broken connection replaced, so ``fn`` must be safe to repeat.
+        """
+
+        def attempt() -> T:
+            conn = self._raw_connection()
+            try:
+                return fn(conn)
+            except psycopg.Error:
+                if conn.closed or conn.broken:
+                    self._local.conn = None
+                    with contextlib.suppress(psycopg.Error):
+                        conn.close()
+                raise
+
+        return self._retry(attempt, what)
+
+    def _raw_connection(self) -> psycopg.Connection[Any]:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        pid = os.getpid()
+        if conn is not None and getattr(self._local, "pid", pid) != pid:
+            # Inherited over a fork: never used or closed by the child
+            # (closing would end the parent's session), just kept referenced.
+            _INHERITED.append(conn)
+            conn = None
+        if conn is None or conn.closed:
+            conn = psycopg.connect(
+                self._settings.libpq_conninfo(),
+                autocommit=True,
+                connect_timeout=CONNECT_TIMEOUT,
+                application_name=f"celery_sched[{self._schema}] worker"[:63],
+                options=self._session_options(),
+            )
+            self._local.conn = conn
+            self._local.pid = pid
+            with self._raw_lock:
+                self._raw_conns = [c for c in self._raw_conns if not c.closed]
+                self._raw_conns.append(conn)
+        return conn
 
     def _unavailable(self, exc: BaseException) -> CelerySchedError:
         original = exc.original if isinstance(exc, TransientDatabaseError) else exc
@@ -701,6 +785,11 @@ class PostgresJobStore(JobStore):
         logger.info("celery_sched schema %r is up to date", self._schema)
 
     def close(self) -> None:
+        with self._raw_lock:
+            conns, self._raw_conns = self._raw_conns, []
+        for conn in conns:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
         with self._engine_lock:
             if self._engine is not None:
                 self._engine.dispose()
@@ -1004,37 +1093,51 @@ class PostgresJobStore(JobStore):
         return self._rowcount("mark_retrying", self._q.mark_retrying, params) > 0
 
     def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
-        # One transaction, one executemany (pipelined by psycopg) per kind of
-        # transition, applied in the order a job moves: running, retrying,
-        # finished. Per job that is the order the worker reported them in,
-        # except a retry re-run inside one batch, which ends as "retrying"
-        # until its own finish arrives.
-        running = [
-            {"p_id": u.job_id, "p_worker": u.worker or ""}
-            for u in updates
-            if u.status == JobStatus.RUNNING
-        ]
-        retrying = [
-            {"p_id": u.job_id, "error": u.error} for u in updates if u.status == JobStatus.RETRYING
-        ]
-        finished = [
-            {"p_id": u.job_id, "p_status": u.status.value, "error": u.error}
-            for u in updates
-            if u.status.finished
-        ]
+        # One transaction, one statement per kind of transition, applied in
+        # the order a job moves: running, retrying, finished. Per job that is
+        # the order the worker reported them in, except a retry re-run inside
+        # one batch, which ends as "retrying" until its own finish arrives.
+        # Of two reports of one kind for a job only the first could apply
+        # (the transition's own status test refuses the second), so only the
+        # first is sent.
+        running: dict[uuid.UUID, str] = {}
+        retrying: dict[uuid.UUID, str | None] = {}
+        finished: dict[uuid.UUID, tuple[str, str | None]] = {}
+        for u in updates:
+            if u.status == JobStatus.RUNNING:
+                running.setdefault(u.job_id, u.worker or "")
+            elif u.status == JobStatus.RETRYING:
+                retrying.setdefault(u.job_id, u.error)
+            elif u.status.finished:
+                finished.setdefault(u.job_id, (u.status.value, u.error))
+        batches: list[tuple[_RawStatement, dict[str, Any]]] = []
+        params: dict[str, Any]
+        if running:
+            params = {"p_ids": list(running), "p_workers": list(running.values())}
+            batches.append((self._q.batch_running_raw, params))
+        if retrying:
+            params = {"p_ids": list(retrying), "p_errors": list(retrying.values())}
+            batches.append((self._q.batch_retrying_raw, params))
+        if finished:
+            params = {
+                "p_ids": list(finished),
+                "p_statuses": [status for status, _ in finished.values()],
+                "p_errors": [error for _, error in finished.values()],
+            }
+            batches.append((self._q.batch_finished_raw, params))
 
-        def apply(conn: Connection) -> int:
-            changed = 0
-            for stmt, params in (
-                (self._q.batch_running, running),
-                (self._q.mark_retrying, retrying),
-                (self._q.batch_finished, finished),
-            ):
-                if params:
-                    changed += max(0, conn.execute(stmt, params).rowcount)
-            return changed
+        if not batches:
+            return 0
 
-        return self._tx("apply_worker_updates", apply)
+        def apply(conn: psycopg.Connection[Any]) -> int:
+            # One transaction, sent in one round trip (pipeline mode).
+            with conn.pipeline():
+                cursors = [
+                    conn.execute(stmt.sql, {**stmt.defaults, **params}) for stmt, params in batches
+                ]
+            return sum(max(0, cur.rowcount) for cur in cursors)
+
+        return self.run_raw("apply_worker_updates", apply)
 
     # -- housekeeping -------------------------------------------------------
 

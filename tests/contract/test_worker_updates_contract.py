@@ -62,3 +62,26 @@ def test_finished_jobs_are_never_changed_and_unknown_ids_are_ignored(store: JobS
 
 def test_empty_batch_changes_nothing(store: JobStore) -> None:
     assert store.apply_worker_updates([]) == 0
+
+
+def test_repeated_reports_in_one_batch_keep_the_first_of_each_kind(store: JobStore) -> None:
+    # A redelivered message run twice before one flush reports everything twice.
+    job, _ = claim_one(store, "twice")
+    other, _ = claim_one(store, "other")
+    changed = store.apply_worker_updates(
+        [
+            WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w1"),
+            WorkerUpdate(job_id=other.id, status=JobStatus.RUNNING, worker="w3"),
+            WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w2"),
+            WorkerUpdate(job_id=job.id, status=JobStatus.SUCCEEDED),
+            WorkerUpdate(job_id=job.id, status=JobStatus.FAILED, error="second run"),
+            WorkerUpdate(job_id=other.id, status=JobStatus.FAILED, error="E: x"),
+        ]
+    )
+    assert changed == 4
+    stored = store.get("twice")
+    assert stored is not None
+    assert (stored.status, stored.worker, stored.last_error) == (JobStatus.SUCCEEDED, "w1", None)
+    failed = store.get("other")
+    assert failed is not None
+    assert (failed.status, failed.worker, failed.last_error) == (JobStatus.FAILED, "w3", "E: x")

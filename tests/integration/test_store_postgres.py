@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from celery_sched.errors import SchemaMissing, StoreUnavailable
-from celery_sched.models import Job, JobStatus
+from celery_sched.models import Job, JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
 from celery_sched.store.schema import build_metadata
@@ -204,6 +204,35 @@ def test_idle_connections_terminated_are_replaced(
     assert killed is not None and killed[0] >= 1
     job = store.get("k")
     assert job is not None and job.key == "k"
+
+
+def test_worker_reports_survive_their_connection_being_terminated(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    """Status reports run on a per-thread connection outside the pool; a
+    killed one is replaced and the batch retried, nothing is lost."""
+    store.insert(new_job("a", store.now() - dt.timedelta(seconds=1)))
+    store.insert(new_job("b", store.now() - dt.timedelta(seconds=1)))
+    epoch = store.acquire_epoch(0, "w")
+    a, b = sorted(store.claim_due(shard=0, epoch=epoch, limit=10), key=lambda j: j.key)
+    report = store.apply_worker_updates
+    assert report([WorkerUpdate(job_id=a.id, status=JobStatus.RUNNING, worker="w")]) == 1
+    with raw_connect(settings) as conn:
+        killed = conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = %s",
+            (store_backends(settings) + " worker",),
+        ).fetchone()
+    assert killed is not None and killed[0] == 1
+    changed = report(
+        [
+            WorkerUpdate(job_id=a.id, status=JobStatus.SUCCEEDED),
+            WorkerUpdate(job_id=b.id, status=JobStatus.RUNNING, worker="w"),
+        ]
+    )
+    assert changed == 2
+    assert store.get_by_id(a.id).status == JobStatus.SUCCEEDED  # type: ignore[union-attr]
+    assert store.get_by_id(b.id).status == JobStatus.RUNNING  # type: ignore[union-attr]
 
 
 def test_connection_terminated_mid_claim_is_retried(
