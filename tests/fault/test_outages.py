@@ -70,9 +70,16 @@ def test_broker_stopped_for_ten_seconds_mid_run(
     try:
         time.sleep(10)
     finally:
-        subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+        for command in ("start_app", "await_startup"):
+            subprocess.run(["rabbitmqctl", command], check=True, capture_output=True, timeout=120)
+    # A Celery worker reconnecting while RabbitMQ boots can wedge for good
+    # (a known Celery/py-amqp hang: celery#3201, #2312; seen once here). What
+    # this test is about is the scheduler side, so a second worker started
+    # after the outage is the consumer that is sure to be there, as a
+    # supervisor's restart would be in production.
+    cluster.start_worker("worker2")
     _every_job_ran(cluster, jobs, timeout=150)
-    beat = cluster.procs[-1]
+    beat = next(proc for proc in cluster.procs if proc.name == "beat")
     assert beat.alive(), "beat must survive a broker outage"
 
 
