@@ -64,6 +64,12 @@ SLOW_PASS = 0.5
 HOUSEKEEPING_INTERVAL = 30.0
 #: While the sweep drains a backlog, staged ids are served every this many batches.
 STAGED_EVERY = 4
+#: Staged copies due up to this long before the sweep's latest claimed due time
+#: are dropped unread: a job committed while a claim ran (its snapshot did not
+#: see it) is due at or after its own insert, so only a job scheduled with an
+#: eta already this far in the past can lose its staged copy; the next sweep
+#: claims it.
+SWEPT_MARGIN = dt.timedelta(seconds=1)
 #: Longest one planning pass may run before the loop dispatches again, in seconds.
 PLAN_BUDGET = 0.25
 
@@ -332,7 +338,7 @@ class Engine:
                 # The sweep claims oldest first: staged copies due up to
                 # here were taken (or skipped as locked: the next sweep
                 # claims those), so the next pop discards them unread.
-                self._swept_through = max(job.due_at for job in jobs)
+                self._swept_through = max(job.due_at for job in jobs) - SWEPT_MARGIN
                 total += len(jobs)
                 batches += 1
                 if ahead is not None and batches % STAGED_EVERY == 0:

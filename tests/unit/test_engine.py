@@ -388,7 +388,9 @@ def test_staged_copies_of_a_swept_backlog_are_dropped_not_claimed_again(
     # Client.schedule_many stages jobs due within the window, so a backlog
     # due now is both in the store and in the staging set.
     batch = rig.settings.batch_size
-    ids = [rig.add(-30 + i * 0.01) for i in range(batch * 8)]
+    # Due 0.2 s apart (80 s in all), so the one-second safety margin of the
+    # drop leaves only a handful of staged copies to pop and find taken.
+    ids = [rig.add(-100 + i * 0.2) for i in range(batch * 8)]
     due = {job_id: rig.store.get_by_id(job_id).due_at for job_id in ids}  # type: ignore[union-attr]
     rig.staging.add(0, due.items())
     asked: list[uuid.UUID] = []
@@ -409,8 +411,9 @@ def test_staged_copies_of_a_swept_backlog_are_dropped_not_claimed_again(
     assert len(set(rig.dispatcher.sent_ids())) == len(ids)
     assert rig.staging.size(0) == 0
     # Without dropping, every staged copy (8 batches) would be popped and
-    # found taken; now at most the batch claimed ahead of one pop is.
-    assert len(asked) <= batch
+    # found taken; now at most the batch claimed ahead of one pop is, plus
+    # the copies inside the margin.
+    assert len(asked) <= batch + 10
 
 
 def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> None:
