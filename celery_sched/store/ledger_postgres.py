@@ -228,7 +228,7 @@ class PostgresLedger(Ledger):
 
         return self.store._retry(attempt, what)
 
-    def _run_raw(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+    def _run_raw(self, what: str, fn: Callable[[psycopg.Cursor[Any]], T]) -> T:
         """Run ``fn`` on this thread's own autocommit connection (the hot path)."""
         return self.store.run_raw(what, fn)
 
@@ -240,12 +240,12 @@ class PostgresLedger(Ledger):
         params = self._acquire.params(p_key=key, p_owner=owner, p_lease=lease, p_job_id=job_id)
         inspect = self._inspect.params(p_key=key)
 
-        def attempt(conn: psycopg.Connection[Any]) -> LedgerClaim:
+        def attempt(cur: psycopg.Cursor[Any]) -> LedgerClaim:
             for _ in range(ACQUIRE_ROUNDS):
-                taken = conn.execute(self._acquire.sql, params).fetchone()
+                taken = cur.execute(self._acquire.sql, params).fetchone()
                 if taken is not None:
                     return LedgerClaim(outcome=ClaimOutcome.ACQUIRED, attempts=taken[0])
-                row = conn.execute(self._inspect.sql, inspect).fetchone()
+                row = cur.execute(self._inspect.sql, inspect).fetchone()
                 if row is None:
                     continue  # released between the two statements: insert again
                 state, holder, attempts, result, recorded, retry_in, completed_at = row
@@ -291,9 +291,7 @@ class PostgresLedger(Ledger):
         else:
             stmt = self._complete
             params = stmt.params(p_key=key, p_owner=owner, p_result=result)
-        done = self._run_raw(
-            "ledger complete", lambda conn: conn.execute(stmt.sql, params).rowcount
-        )
+        done = self._run_raw("ledger complete", lambda cur: cur.execute(stmt.sql, params).rowcount)
         return done > 0
 
     def release(self, key: str, *, owner: str) -> bool:

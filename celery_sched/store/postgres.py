@@ -644,19 +644,24 @@ class PostgresJobStore(JobStore):
             f"-c idle_in_transaction_session_timeout={idle_ms}"
         )
 
-    def run_raw(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """Run ``fn`` on this thread's own autocommit psycopg connection.
+    def run_raw(self, what: str, fn: Callable[[psycopg.Cursor[Any]], T]) -> T:
+        """Run ``fn`` with a cursor of this thread's own autocommit psycopg connection.
 
         For the per-task hot paths (ledger, status reports): a pool checkout
         with its pre-ping and SQLAlchemy's per-statement work cost several
-        times a small statement. Retried whole on transient failures, with a
-        broken connection replaced, so ``fn`` must be safe to repeat.
+        times a small statement, and so does a new cursor per statement; the
+        cursor is kept with its connection. Retried whole on transient
+        failures, with a broken connection replaced, so ``fn`` must be safe
+        to repeat.
         """
 
         def attempt() -> T:
             conn = self._raw_connection()
+            cursor: psycopg.Cursor[Any] | None = getattr(self._local, "cursor", None)
+            if cursor is None or cursor.connection is not conn:
+                cursor = self._local.cursor = conn.cursor()
             try:
-                return fn(conn)
+                return fn(cursor)
             except psycopg.Error:
                 if conn.closed or conn.broken:
                     self._local.conn = None
@@ -1129,8 +1134,10 @@ class PostgresJobStore(JobStore):
         if not batches:
             return 0
 
-        def apply(conn: psycopg.Connection[Any]) -> int:
-            # One transaction, sent in one round trip (pipeline mode).
+        def apply(cursor: psycopg.Cursor[Any]) -> int:
+            # One transaction, sent in one round trip (pipeline mode); one
+            # cursor per statement, each keeps its own row count.
+            conn = cursor.connection
             with conn.pipeline():
                 cursors = [
                     conn.execute(stmt.sql, {**stmt.defaults, **params}) for stmt, params in batches
