@@ -64,12 +64,6 @@ SLOW_PASS = 0.5
 HOUSEKEEPING_INTERVAL = 30.0
 #: While the sweep drains a backlog, staged ids are served every this many batches.
 STAGED_EVERY = 4
-#: Staged copies due up to this long before the sweep's latest claimed due time
-#: are dropped unread: a job committed while a claim ran (its snapshot did not
-#: see it) is due at or after its own insert, so only a job scheduled with an
-#: eta already this far in the past can lose its staged copy; the next sweep
-#: claims it.
-SWEPT_MARGIN = dt.timedelta(seconds=1)
 #: Longest one planning pass may run before the loop dispatches again, in seconds.
 PLAN_BUDGET = 0.25
 
@@ -127,8 +121,6 @@ class Engine:
         # due is then due by Postgres too when it is claimed.
         self._offset = dt.timedelta(0)
         self._staged_until: dt.datetime | None = None
-        #: The latest due time the current sweep has claimed through.
-        self._swept_through: dt.datetime | None = None
         self._next_stage = 0.0
         self._next_sweep = 0.0
         self._next_reconcile = 0.0
@@ -199,7 +191,7 @@ class Engine:
 
     def _elected(self, epoch: int) -> None:
         self._epoch = epoch
-        self._staged_until = self._swept_through = None
+        self._staged_until = None
         self._next_stage = self._next_sweep = self._next_reconcile = self._next_plan = 0.0
         # Shard 0's leader owns the static schedules; syncing them on every
         # election picks up a deploy that changed them.
@@ -210,7 +202,7 @@ class Engine:
     def _step_down(self, why: str) -> None:
         logger.warning("shard %d: stepping down (%s)", self.shard, why)
         self._epoch = None
-        self._staged_until = self._swept_through = None
+        self._staged_until = None
         self.stats.step_downs += 1
 
     def _lead(self, epoch: int) -> float:
@@ -289,18 +281,18 @@ class Engine:
             return
         self._staged_until = items[-1][1] if len(items) >= limit else horizon
 
-    def _pop_and_publish(self, epoch: int) -> bool:
-        """Claim and publish staged ids that are due; True if more may be due."""
+    def _pop_and_publish(self, epoch: int, drop_through: dt.datetime | None = None) -> bool:
+        """Claim and publish staged ids that are due; True if more may be due.
+
+        ``drop_through``: staged ids due by then are discarded unread (see
+        :meth:`_sweep`).
+        """
         if not self.elector.is_leader():
             return False
         try:
             ids = self.staging.pop_due(
-                self.shard,
-                self.store_now(),
-                self.settings.batch_size,
-                drop_through=self._swept_through,
+                self.shard, self.store_now(), self.settings.batch_size, drop_through=drop_through
             )
-            self._swept_through = None
         except StagingUnavailable as exc:
             logger.warning("staging unavailable (%s); sweeping from Postgres", exc)
             self._next_sweep = min(self._next_sweep, self._clock() + self.settings.max_tick)
@@ -335,17 +327,17 @@ class Engine:
                 if len(jobs) >= batch and self.elector.is_leader():
                     ahead = self._claimer.submit(self._claim_batch, epoch)
                 self._publish(jobs, epoch)
-                # The sweep claims oldest first: staged copies due up to
-                # here were taken (or skipped as locked: the next sweep
-                # claims those), so the next pop discards them unread.
-                self._swept_through = max(job.due_at for job in jobs) - SWEPT_MARGIN
                 total += len(jobs)
                 batches += 1
                 if ahead is not None and batches % STAGED_EVERY == 0:
                     # A backlog: let staged (time-critical) ids through too,
-                    # though not after every batch: staged copies of the
-                    # backlog itself would only be popped to be found taken.
-                    self._pop_and_publish(epoch)
+                    # though not after every batch. The sweep claims oldest
+                    # first, so staged copies due up to this batch's latest
+                    # were taken and are dropped unread. A job committed
+                    # while that claim ran is claimed by a later batch, or,
+                    # if the batch ahead ends the sweep, by the next sweep.
+                    swept = max(job.due_at for job in jobs)
+                    self._pop_and_publish(epoch, drop_through=swept)
         finally:
             if ahead is not None:
                 self._release_claimed_ahead(ahead, epoch)
