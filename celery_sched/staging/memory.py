@@ -43,6 +43,17 @@ class _SortedSet:
         self._unlink(member, score)
         return True
 
+    def pop_through(self, score: float, limit: int | None = None) -> list[tuple[float, str]]:
+        """Remove and return the members scored at or before ``score``, earliest
+        first (at most ``limit``)."""
+        # Everything sorting before (score, +inf) has a score <= score.
+        end = bisect.bisect_right(self.order, (score, "\uffff"))
+        taken = self.order[: end if limit is None else min(end, limit)]
+        del self.order[: len(taken)]
+        for _, member in taken:
+            del self.scores[member]
+        return taken
+
     def _unlink(self, member: str, score: float) -> None:
         index = bisect.bisect_left(self.order, (score, member))
         del self.order[index]
@@ -93,16 +104,8 @@ class MemoryStaging(Staging):
         with self._lock:
             zset = self._shard(shard)
             if drop_score is not None:
-                dropped = zset.order[: bisect.bisect_right(zset.order, (drop_score, "\uffff"))]
-                del zset.order[: len(dropped)]
-                for _, member in dropped:
-                    del zset.scores[member]
-            # Everything sorting before (max_score, +inf) has score <= max_score.
-            due = bisect.bisect_right(zset.order, (max_score, "\uffff"))
-            taken = zset.order[: min(due, limit)]
-            del zset.order[: len(taken)]
-            for _, member in taken:
-                del zset.scores[member]
+                zset.pop_through(drop_score)
+            taken = zset.pop_through(max_score, limit)
         return [uuid.UUID(hex=member) for _, member in taken]
 
     def next_due(self, shard: int) -> dt.datetime | None:

@@ -55,9 +55,9 @@ from celery_sched.errors import CelerySchedError, LedgerConflict
 from celery_sched.interfaces import Ledger
 from celery_sched.models import ClaimOutcome, LedgerClaim, LedgerEntry, LedgerState
 from celery_sched.store.postgres import (
-    _DIALECT,
     PostgresJobStore,
     TransientDatabaseError,
+    _RawStatement,
 )
 from celery_sched.store.schema import build_metadata
 from celery_sched.timeutil import ensure_utc
@@ -200,10 +200,10 @@ class PostgresLedger(Ledger):
         self.store = store
         self._settings = store._settings
         self._q = _LedgerQueries(store._settings.db_schema)
-        self._acquire = _Compiled(self._q.acquire)
-        self._inspect = _Compiled(self._q.inspect)
-        self._complete = _Compiled(self._q.complete)
-        self._complete_keep = _Compiled(self._q.complete_keep_result)
+        self._acquire = _RawStatement(self._q.acquire)
+        self._inspect = _RawStatement(self._q.inspect)
+        self._complete = _RawStatement(self._q.complete)
+        self._complete_keep = _RawStatement(self._q.complete_keep_result)
         self._owns_store = owns_store
         self._autocommit: Engine | None = None
 
@@ -227,10 +227,6 @@ class PostgresLedger(Ledger):
                 return fn(conn)
 
         return self.store._retry(attempt, what)
-
-    def _run_raw(self, what: str, fn: Callable[[psycopg.Cursor[Any]], T]) -> T:
-        """Run ``fn`` on this thread's own autocommit connection (the hot path)."""
-        return self.store.run_raw(what, fn)
 
     # -- the Ledger interface -----------------------------------------------
 
@@ -271,7 +267,7 @@ class PostgresLedger(Ledger):
                 f"idempotency key {key!r} kept changing hands while being acquired"
             )
 
-        return self._run_raw("ledger acquire", attempt)
+        return self.store.run_raw("ledger acquire", attempt)
 
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
         if not held:
@@ -291,7 +287,9 @@ class PostgresLedger(Ledger):
         else:
             stmt = self._complete
             params = stmt.params(p_key=key, p_owner=owner, p_result=result)
-        done = self._run_raw("ledger complete", lambda cur: cur.execute(stmt.sql, params).rowcount)
+        done = self.store.run_raw(
+            "ledger complete", lambda cur: cur.execute(stmt.sql, params).rowcount
+        )
         return done > 0
 
     def release(self, key: str, *, owner: str) -> bool:
@@ -392,15 +390,3 @@ def _quiet_rollback(tx: Any) -> None:
 
 def _utc_or_none(value: dt.datetime | None) -> dt.datetime | None:
     return None if value is None else ensure_utc(value)
-
-
-class _Compiled:
-    """A Core statement compiled once for psycopg, run on a raw connection."""
-
-    def __init__(self, stmt: Any) -> None:
-        compiled = stmt.compile(dialect=_DIALECT)
-        self.sql: str = str(compiled)
-        self._defaults: dict[str, Any] = dict(compiled.params)
-
-    def params(self, **values: Any) -> dict[str, Any]:
-        return {**self._defaults, **values}

@@ -530,11 +530,12 @@ def _job(row: Row[Any]) -> Job:
 
 
 class _RawStatement:
-    """A Core statement precompiled for psycopg, run on the raw cursor.
+    """A Core statement precompiled for psycopg, run on a raw cursor.
 
-    The claim path returns thousands of rows per second; psycopg's C row
-    loading straight into :class:`Job` costs a fraction of SQLAlchemy's
-    per-row result processing.
+    For the hot paths (claims, ledger, worker reports): SQLAlchemy's
+    per-statement and per-row work costs several times the statement.
+    :meth:`jobs` loads claimed rows straight into :class:`Job` with
+    psycopg's C row loading.
     """
 
     def __init__(self, stmt: Any) -> None:
@@ -542,11 +543,15 @@ class _RawStatement:
         self.sql: str = str(compiled)
         self.defaults: dict[str, Any] = dict(compiled.params)
 
+    def params(self, **values: Any) -> dict[str, Any]:
+        """The statement's bound defaults with ``values`` on top."""
+        return {**self.defaults, **values}
+
     def jobs(self, conn: Connection, params: dict[str, Any]) -> list[Job]:
         raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
         try:
             with raw.cursor() as cur:
-                cur.execute(self.sql, {**self.defaults, **params})
+                cur.execute(self.sql, self.params(**params))
                 names = [column.name for column in cur.description or ()]
                 rows = cur.fetchall()
                 options_at = names.index("options")
@@ -1140,7 +1145,7 @@ class PostgresJobStore(JobStore):
             conn = cursor.connection
             with conn.pipeline():
                 cursors = [
-                    conn.execute(stmt.sql, {**stmt.defaults, **params}) for stmt, params in batches
+                    conn.execute(stmt.sql, stmt.params(**params)) for stmt, params in batches
                 ]
             return sum(max(0, cur.rowcount) for cur in cursors)
 

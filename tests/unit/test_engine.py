@@ -56,16 +56,9 @@ class FlakyStaging(MemoryStaging):
         self._check()
         return super().add(shard, items)
 
-    def pop_due(
-        self,
-        shard: int,
-        now: dt.datetime,
-        limit: int,
-        *,
-        drop_through: dt.datetime | None = None,
-    ) -> list[uuid.UUID]:
+    def pop_due(self, *args: Any, **kwargs: Any) -> list[uuid.UUID]:
         self._check()
-        return super().pop_due(shard, now, limit, drop_through=drop_through)
+        return super().pop_due(*args, **kwargs)
 
     def next_due(self, shard: int) -> dt.datetime | None:
         self._check()
