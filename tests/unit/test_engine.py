@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import itertools
+import threading
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -406,6 +407,53 @@ def test_staged_copies_of_a_swept_backlog_are_dropped_not_claimed_again(
     # with it, only the batch claimed ahead of the mid-sweep pop and the
     # copies staged past that pop's drop are.
     assert len(asked) <= 3 * batch
+
+
+def test_a_job_whose_staged_copy_the_sweep_drops_runs_by_the_next_sweep(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drop's race: a job committed after the sweep's last claim looked,
+    due before the sweep's cursor, loses its staged copy. It is still
+    pending in the store, so the next sweep sends it, once."""
+    batch = rig.settings.batch_size
+    backlog = [rig.add(-30 + i * 0.01) for i in range(batch * 4 + 10)]
+    claims: list[int] = []
+    last_claim_done = threading.Event()
+    real_claim_due = rig.store.claim_due
+
+    def claim_due(**kwargs: Any) -> list[Job]:
+        jobs = real_claim_due(**kwargs)
+        claims.append(len(jobs))
+        if len(claims) == 5:  # the partial batch that ends the sweep
+            last_claim_done.set()
+        return jobs
+
+    late: list[uuid.UUID] = []
+    real_pop = rig.staging.pop_due
+
+    def pop_due(*args: Any, **kwargs: Any) -> list[uuid.UUID]:
+        if kwargs.get("drop_through") is not None and not late:
+            assert last_claim_done.wait(5)
+            # Committed and staged just after the last claim's snapshot.
+            late.append(rig.add(-60))
+            job = rig.store.get_by_id(late[0])
+            assert job is not None
+            rig.staging.add(0, [(job.id, job.due_at)])
+        return real_pop(*args, **kwargs)
+
+    monkeypatch.setattr(rig.store, "claim_due", claim_due)
+    monkeypatch.setattr(rig.staging, "pop_due", pop_due)
+    elector = rig.elector("a")
+    elector.try_acquire()
+    engine = rig.engine(elector)
+    engine.step()
+    assert late, "the mid-sweep pop never ran"
+    assert sorted(rig.dispatcher.sent_ids()) == sorted(backlog)
+    assert rig.status(late[0]) == JobStatus.PENDING
+    assert rig.staging.size(0) == 0  # its staged copy was dropped
+    rig.run(engine, rig.settings.sweep_interval + 1.0)
+    assert rig.dispatcher.sent_ids().count(late[0]) == 1
+    assert sorted(rig.dispatcher.sent_ids()) == sorted([*backlog, late[0]])
 
 
 def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> None:
