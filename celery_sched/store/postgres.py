@@ -438,12 +438,18 @@ class _Queries:
         # statement). Each array holds an id at most once.
         ids = bindparam("p_ids", type_=postgresql.ARRAY(c.id.type))
         texts = postgresql.ARRAY(Text)
-        running = (
-            func.unnest(ids, bindparam("p_workers", type_=texts))
-            .table_valued("id", "worker")
-            .render_derived(name="reported", with_types=False)
-        )
-        self.batch_running = (
+
+        def reported(**columns: Any) -> Any:
+            # unnest(:p_ids, :p_x, ...) AS reported(id, x, ...): one row per report.
+            arrays = [bindparam(param, type_=texts) for param in columns.values()]
+            return (
+                func.unnest(ids, *arrays)
+                .table_valued("id", *columns)
+                .render_derived(name="reported", with_types=False)
+            )
+
+        running = reported(worker="p_workers")
+        self.batch_running = _RawStatement(
             update(jobs)
             .where(
                 c.id == running.c.id,
@@ -451,31 +457,18 @@ class _Queries:
             )
             .values(status="running", started_at=now, worker=running.c.worker)
         )
-        retrying = (
-            func.unnest(ids, bindparam("p_errors", type_=texts))
-            .table_valued("id", "error")
-            .render_derived(name="reported", with_types=False)
-        )
-        self.batch_retrying = (
+        retrying = reported(error="p_errors")
+        self.batch_retrying = _RawStatement(
             update(jobs)
             .where(c.id == retrying.c.id, c.status == "running")
             .values(status="retrying", last_error=retrying.c.error)
         )
-        ended = (
-            func.unnest(
-                ids, bindparam("p_statuses", type_=texts), bindparam("p_errors", type_=texts)
-            )
-            .table_valued("id", "status", "error")
-            .render_derived(name="reported", with_types=False)
-        )
-        self.batch_finished = (
+        ended = reported(status="p_statuses", error="p_errors")
+        self.batch_finished = _RawStatement(
             update(jobs)
             .where(c.id == ended.c.id, c.status != all_(_text_array(*sorted(finished))))
             .values(status=ended.c.status, finished_at=now, last_error=ended.c.error)
         )
-        self.batch_running_raw = _RawStatement(self.batch_running)
-        self.batch_retrying_raw = _RawStatement(self.batch_retrying)
-        self.batch_finished_raw = _RawStatement(self.batch_finished)
         self.cancel = (
             update(jobs)
             .where(c.key == bindparam("p_key"), c.status == _PENDING)
@@ -1124,17 +1117,17 @@ class PostgresJobStore(JobStore):
         params: dict[str, Any]
         if running:
             params = {"p_ids": list(running), "p_workers": list(running.values())}
-            batches.append((self._q.batch_running_raw, params))
+            batches.append((self._q.batch_running, params))
         if retrying:
             params = {"p_ids": list(retrying), "p_errors": list(retrying.values())}
-            batches.append((self._q.batch_retrying_raw, params))
+            batches.append((self._q.batch_retrying, params))
         if finished:
             params = {
                 "p_ids": list(finished),
                 "p_statuses": [status for status, _ in finished.values()],
                 "p_errors": [error for _, error in finished.values()],
             }
-            batches.append((self._q.batch_finished_raw, params))
+            batches.append((self._q.batch_finished, params))
 
         if not batches:
             return 0
