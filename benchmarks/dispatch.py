@@ -191,6 +191,7 @@ def main() -> None:
     ours = [run_ours(ns.broker, ns.jobs, ns.batch_size, i + 1, ns.analyze) for i in range(ns.runs)]
     rates = [r["per_s"] for r in ours if r.get("complete")]
     our_rate = median(rates) if len(rates) == len(ours) else None
+    beat_cpu = [r["beat_cpu_us_per_job"] for r in ours if r["beat_cpu_us_per_job"] is not None]
 
     legacy: dict[str, dict[str, Any]] = {}
     sizes = [] if ns.no_legacy else (ns.legacy_sizes or [ns.jobs, 5_000])
@@ -233,9 +234,7 @@ def main() -> None:
             "measured_by": "queue depth sampled every 20 ms (first to last arrival)",
             "runs": [r["per_s"] for r in ours],
             "jobs_per_s": rounded(our_rate, 1),
-            "beat_cpu_us_per_job": rounded(
-                median([r["beat_cpu_us_per_job"] or 0.0 for r in ours]), 1
-            ),
+            "beat_cpu_us_per_job": rounded(median(beat_cpu), 1) if beat_cpu else None,
             "pg_dispatched_span_per_s": rounded(
                 median([r["pg_dispatched_span_per_s"] or 0.0 for r in ours]), 1
             ),
