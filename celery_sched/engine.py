@@ -27,6 +27,7 @@ its stager has already passed are staged at once.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
 import logging
@@ -64,6 +65,10 @@ SLOW_PASS = 0.5
 HOUSEKEEPING_INTERVAL = 30.0
 #: While the sweep drains a backlog, staged ids are served every this many batches.
 STAGED_EVERY = 4
+#: Batches the sweep keeps being claimed (each on its own connection) while it
+#: publishes one. Two concurrent claims keep Postgres busy through the other's
+#: commit and row transfer; SKIP LOCKED makes them take disjoint rows.
+CLAIMS_AHEAD = 3
 #: Longest one planning pass may run before the loop dispatches again, in seconds.
 PLAN_BUDGET = 0.25
 
@@ -131,7 +136,11 @@ class Engine:
         # Frequent small increments: each pass reads and stages only what
         # entered the window since the last one, so no pass stalls the loop.
         self._stage_interval = max(0.25, min(settings.staging_window / 4, 1.0))
-        self._claimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="celery_sched-claim")
+        # One pooled connection stays free for the loop's own statements.
+        self._claims_ahead = max(1, min(CLAIMS_AHEAD, settings.pool_max_size - 1))
+        self._claimer = ThreadPoolExecutor(
+            max_workers=self._claims_ahead, thread_name_prefix="celery_sched-claim"
+        )
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -308,39 +317,44 @@ class Engine:
     def _sweep(self, epoch: int) -> int:
         """Claim due pending rows straight from Postgres (the fallback path).
 
-        Through a backlog, the next batch is claimed on a helper thread while
-        this one is published, so Postgres and the broker work at the same
-        time instead of taking turns.
+        Through a backlog, the next batches (up to :data:`CLAIMS_AHEAD`) are
+        claimed on helper threads while this one is published, so Postgres
+        and the broker work at the same time instead of taking turns. Every
+        claim is fenced by ``epoch`` on its own; batches claimed ahead when
+        the pass fails are released.
         """
         if not self.elector.is_leader():
             return 0
         total = 0
         batches = 0
         batch = self.settings.batch_size
-        ahead: Future[list[Job]] | None = self._claimer.submit(self._claim_batch, epoch)
+        ahead: collections.deque[Future[list[Job]]] = collections.deque(
+            [self._claimer.submit(self._claim_batch, epoch)]
+        )
         try:
-            while ahead is not None:
-                jobs = ahead.result()
-                ahead = None
-                if not jobs:
-                    break
+            while ahead:
+                jobs = ahead.popleft().result()
                 if len(jobs) >= batch and self.elector.is_leader():
-                    ahead = self._claimer.submit(self._claim_batch, epoch)
+                    # A full batch: there is likely more; keep claims going.
+                    while len(ahead) < self._claims_ahead:
+                        ahead.append(self._claimer.submit(self._claim_batch, epoch))
+                if not jobs:
+                    continue  # drain the claims still in flight
                 self._publish(jobs, epoch)
                 total += len(jobs)
                 batches += 1
-                if ahead is not None and batches % STAGED_EVERY == 0:
+                if ahead and batches % STAGED_EVERY == 0:
                     # A backlog: let staged (time-critical) ids through too,
                     # though not after every batch. The sweep claims oldest
                     # first, so staged copies due up to this batch's latest
                     # were taken and are dropped unread. A job committed
                     # while that claim ran is claimed by a later batch, or,
-                    # if the batch ahead ends the sweep, by the next sweep.
+                    # if the batches ahead end the sweep, by the next sweep.
                     swept = max(job.due_at for job in jobs)
                     self._pop_and_publish(epoch, drop_through=swept)
         finally:
-            if ahead is not None:
-                self._release_claimed_ahead(ahead, epoch)
+            for claim in ahead:
+                self._release_claimed_ahead(claim, epoch)
         if total:
             logger.info("sweep claimed %d due jobs from Postgres", total)
         return total

@@ -6,12 +6,14 @@ import dataclasses
 import datetime as dt
 import itertools
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
 import pytest
 
+from celery_sched import engine as engine_module
 from celery_sched.dispatch.memory import MemoryDispatcher
 from celery_sched.engine import Engine
 from celery_sched.errors import StagingUnavailable, StoreUnavailable
@@ -424,7 +426,10 @@ def test_a_job_whose_staged_copy_the_sweep_drops_runs_by_the_next_sweep(
     def claim_due(**kwargs: Any) -> list[Job]:
         jobs = real_claim_due(**kwargs)
         claims.append(len(jobs))
-        if len(claims) == 5:  # the partial batch that ends the sweep
+        # Four full batches, then the claims in flight when the fourth is
+        # published (the mid-sweep pop's turn): the partial batch and what
+        # follows it, which end the sweep.
+        if len(claims) == 4 + engine_module.CLAIMS_AHEAD:
             last_claim_done.set()
         return jobs
 
@@ -456,14 +461,50 @@ def test_a_job_whose_staged_copy_the_sweep_drops_runs_by_the_next_sweep(
     assert sorted(rig.dispatcher.sent_ids()) == sorted([*backlog, late[0]])
 
 
+@pytest.mark.parametrize(
+    ("pool_max_size", "most"), [(8, engine_module.CLAIMS_AHEAD), (2, 1)], ids=["pool8", "pool2"]
+)
+def test_claims_in_flight_are_bounded_and_take_disjoint_rows(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, pool_max_size: int, most: int
+) -> None:
+    rig.settings = dataclasses.replace(rig.settings, pool_max_size=pool_max_size)
+    batch = rig.settings.batch_size
+    ids = [rig.add(-30 + i * 0.001) for i in range(batch * 8)]
+    in_flight = 0
+    peak = 0
+    lock = threading.Lock()
+    real_claim_due = rig.store.claim_due
+
+    def claim_due(**kwargs: Any) -> list[Job]:
+        nonlocal in_flight, peak
+        with lock:
+            in_flight += 1
+            peak = max(peak, in_flight)
+        try:
+            time.sleep(0.02)  # long enough for the sweep to start the others
+            return real_claim_due(**kwargs)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(rig.store, "claim_due", claim_due)
+    elector = rig.elector("a")
+    elector.try_acquire()
+    engine = rig.engine(elector)
+    engine.step()
+    sent = rig.dispatcher.sent_ids()
+    assert sorted(sent) == sorted(ids) and len(set(sent)) == len(sent)
+    assert peak == most
+
+
 def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> None:
-    ids = [rig.add(-1) for _ in range(rig.settings.batch_size * 3)]
+    ids = [rig.add(-1) for _ in range(rig.settings.batch_size * (engine_module.CLAIMS_AHEAD + 2))]
     elector = rig.elector("a")
     elector.try_acquire()
     engine = rig.engine(elector)
     rig.dispatcher.set_down(True)
     engine.step()
-    # The failing batch and the one claimed ahead of it both went back.
+    # The failing batch and every batch claimed ahead of it went back.
     assert {rig.status(i) for i in ids} == {JobStatus.PENDING}
     rig.dispatcher.set_down(False)
     rig.run(engine, rig.settings.sweep_interval + 1)
