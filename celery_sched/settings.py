@@ -8,6 +8,7 @@ metadata of every field is the line the README's configuration table shows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import urllib.parse
@@ -216,11 +217,13 @@ class Settings:
             self.sqlalchemy_url().set(drivername="postgresql").render_as_string(hide_password=False)
         )
 
-    @property
+    # Cached: every retried statement names its URL (the per-task ledger
+    # statements included). The settings are frozen, so it cannot go stale.
+    @functools.cached_property
     def safe_database_url(self) -> str:
         return sanitize_url(self.database_url)
 
-    @property
+    @functools.cached_property
     def safe_redis_url(self) -> str:
         return sanitize_url(self.redis_url)
 

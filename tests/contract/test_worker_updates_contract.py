@@ -85,3 +85,33 @@ def test_repeated_reports_in_one_batch_keep_the_first_of_each_kind(store: JobSto
     failed = store.get("other")
     assert failed is not None
     assert (failed.status, failed.worker, failed.last_error) == (JobStatus.FAILED, "w3", "E: x")
+
+
+def test_a_start_and_finish_in_one_batch_keep_an_earlier_start(store: JobStore) -> None:
+    # A redelivery finishes a job another worker had started in an earlier
+    # batch: the finish applies, the second start does not.
+    job, _ = claim_one(store, "started-before")
+    assert (
+        store.apply_worker_updates(
+            [WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="first")]
+        )
+        == 1
+    )
+    before = store.get("started-before")
+    assert before is not None and before.started_at is not None
+    changed = store.apply_worker_updates(
+        [
+            WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="second"),
+            WorkerUpdate(job_id=job.id, status=JobStatus.FAILED, error="E: late"),
+        ]
+    )
+    assert changed == 1
+    stored = store.get("started-before")
+    assert stored is not None
+    assert (stored.status, stored.worker, stored.last_error) == (
+        JobStatus.FAILED,
+        "first",
+        "E: late",
+    )
+    assert stored.started_at == before.started_at
+    assert stored.finished_at is not None and stored.finished_at >= stored.started_at
