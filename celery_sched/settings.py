@@ -101,7 +101,11 @@ class Settings:
         "larger or non-JSON results are not recorded.",
     )
     pool_min_size: int = _field(1, "Minimum PostgreSQL connections kept in the pool.")
-    pool_max_size: int = _field(8, "Maximum PostgreSQL connections in the pool.")
+    pool_max_size: int = _field(
+        8,
+        "Maximum PostgreSQL connections in the pool. A leading beat claims a backlog on up to "
+        "three of them at once, always leaving one free.",
+    )
     connect_retries: int = _field(
         4, "Attempts for a transient database or Redis failure before giving up."
     )
