@@ -33,6 +33,7 @@ from celery_sched.models import (
     SyncResult,
     WorkerUpdate,
 )
+from celery_sched.timeutil import ensure_utc, to_epoch_seconds
 
 
 class JobStore(abc.ABC):
@@ -398,6 +399,19 @@ class Staging(abc.ABC):
         before it (the sweep has claimed past that time, so those copies
         would only be found taken; any it skipped stay pending in the store).
         """
+
+    @staticmethod
+    def pop_scores(
+        now: dt.datetime, limit: int, drop_through: dt.datetime | None
+    ) -> tuple[float, float | None]:
+        """:meth:`pop_due`'s arguments checked and turned into scores, as every
+        backend reads them: ``(max score, drop score or None)``."""
+        if limit < 0:
+            raise ValueError(f"limit must not be negative, got {limit}")
+        max_score = to_epoch_seconds(ensure_utc(now, name="now"))
+        if drop_through is None:
+            return max_score, None
+        return max_score, to_epoch_seconds(ensure_utc(drop_through, name="drop_through"))
 
     @abc.abstractmethod
     def next_due(self, shard: int) -> dt.datetime | None:

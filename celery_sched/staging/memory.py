@@ -91,14 +91,7 @@ class MemoryStaging(Staging):
         *,
         drop_through: dt.datetime | None = None,
     ) -> list[uuid.UUID]:
-        if limit < 0:
-            raise ValueError(f"limit must not be negative, got {limit}")
-        max_score = to_epoch_seconds(ensure_utc(now, name="now"))
-        drop_score = (
-            None
-            if drop_through is None
-            else to_epoch_seconds(ensure_utc(drop_through, name="drop_through"))
-        )
+        max_score, drop_score = self.pop_scores(now, limit, drop_through)
         if limit == 0:
             return []
         with self._lock:

@@ -124,12 +124,10 @@ class RedisStaging(Staging):
         *,
         drop_through: dt.datetime | None = None,
     ) -> list[uuid.UUID]:
-        if limit < 0:
-            raise ValueError(f"limit must not be negative, got {limit}")
-        max_score = to_epoch_seconds(ensure_utc(now, name="now"))
+        max_score, drop_score = self.pop_scores(now, limit, drop_through)
         args: list[Any] = [repr(max_score), limit]
-        if drop_through is not None:
-            args.append(repr(to_epoch_seconds(ensure_utc(drop_through, name="drop_through"))))
+        if drop_score is not None:
+            args.append(repr(drop_score))
         if limit == 0:
             return []  # nothing to ask Redis for
         key = self.key(shard)
