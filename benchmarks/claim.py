@@ -36,6 +36,7 @@ from celery_sched.engine import CLAIMS_AHEAD
 from celery_sched.models import NewJob
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
+from celery_sched.validation import UUID7Source
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BODY = b'[[1, 2], {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
@@ -54,13 +55,20 @@ FROM (
 """
 
 
-def jobs(prefix: str, count: int, start: dt.datetime, spread: dt.timedelta) -> Iterator[NewJob]:
+def jobs(count: int, start: dt.datetime, spread: dt.timedelta) -> Iterator[NewJob]:
+    """Due jobs as ``Client.schedule`` makes them when the caller gives no key:
+    a time-ordered (UUIDv7) id, which is also the key. The ids matter: a
+    claim writes each row's new version into the primary key, and v7 ids
+    of jobs scheduled together sit on neighbouring index pages (random v4
+    ids measured ~30% more server time per claimed row)."""
     step = spread / max(count, 1)
     options = {"queue": "celery"}
+    ids = UUID7Source()
     for i in range(count):
+        job_id = ids.next()
         yield NewJob(
-            id=uuid.uuid4(),
-            key=f"{prefix}-{i}",
+            id=job_id,
+            key=str(job_id),
             task="bench.add",
             body=BODY,
             content_type="application/json",
@@ -133,7 +141,7 @@ def run(url: str, future: int, due: int, batch: int, claimers: list[int]) -> lis
             started = time.perf_counter()
             # The due rows go through the real bulk path (COPY via insert_many).
             loaded = store.insert_many(
-                jobs(f"due{count}", due, now - dt.timedelta(minutes=10), dt.timedelta(minutes=9))
+                jobs(due, now - dt.timedelta(minutes=10), dt.timedelta(minutes=9))
             )
             load_seconds = time.perf_counter() - started
             with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:

@@ -34,7 +34,7 @@ from celery_sched.models import (
     StoredSchedule,
 )
 from celery_sched.settings import Settings
-from celery_sched.validation import JobBuilder, _UUID7Source
+from celery_sched.validation import JobBuilder, UUID7Source
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class ScheduleManager:
 
     def __init__(self, client: Client) -> None:
         self._client = client
-        self._ids = _UUID7Source()
+        self._ids = UUID7Source()
 
     @property
     def _store(self) -> JobStore:

@@ -48,7 +48,7 @@ from celery_sched.models import (
     SyncResult,
 )
 from celery_sched.settings import Settings
-from celery_sched.validation import JobBuilder, _UUID7Source
+from celery_sched.validation import JobBuilder, UUID7Source
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class Planner:
         self.stats = PlannerStats()
         self._clock = clock
         self._builder: JobBuilder | None = None
-        self._ids = _UUID7Source()
+        self._ids = UUID7Source()
         self._default_misfire = MisfirePolicy(settings.misfire_policy)
 
     @property

@@ -95,7 +95,7 @@ class JobBuilder:
         self._max_payload = settings.max_payload_bytes
         self._max_attempts = settings.max_attempts
         self._shards = settings.shards
-        self._ids = _UUID7Source()
+        self._ids = UUID7Source()
         self._content_type, self._content_encoding = _codec_of(self._serializer)
         # The flat-scalar fast path reproduces kombu's JSON output exactly;
         # only take it when the app uses kombu's own JSON encoder.
@@ -599,7 +599,7 @@ def _flat_scalars(
 # -- ids -------------------------------------------------------------------------
 
 
-class _UUID7Source:
+class UUID7Source:
     """Time-ordered (version 7, RFC 9562) UUIDs, drawing OS randomness in blocks.
 
     The id is the primary key and, for jobs scheduled without a key, the
