@@ -58,6 +58,20 @@ MESSAGE_OPTIONS = frozenset(
 )
 
 
+def id_of_key(key: str) -> uuid.UUID | None:
+    """The UUID whose canonical text (``str(uuid)``) is ``key``, else None.
+
+    Such a key is its job's id: a keyless job's key is its id's text.
+    """
+    if len(key) != 36 or key[8] != "-":
+        return None
+    try:
+        value = uuid.UUID(key)
+    except ValueError:
+        return None
+    return value if str(value) == key else None
+
+
 def _check_aware(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -95,6 +109,10 @@ class NewJob:
         _check_aware(self, "due_at", "expires_at")
         if not self.key:
             raise ValueError("job key must not be empty")
+        key_id = id_of_key(self.key)
+        if key_id is not None and key_id != self.id:
+            # The store keeps such a key as the id: it must be this job's.
+            raise ValueError(f"job key {self.key!r} is a UUID's text, so it must be the job's id")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
 
@@ -133,6 +151,8 @@ class NewJob:
         """
         values = dict(zip(NEW_JOB_ROW, row, strict=True))
         del values["due_bucket"]
+        if values["key"] is None:
+            values["key"] = str(values["id"])
         values["options"] = dict(values["options"])
         return cls(**values)
 
@@ -141,7 +161,9 @@ class NewJob:
 #: load. ``schedule_many`` moves a million of these: building a tuple costs
 #: a fraction of a frozen dataclass, and the store writes it unchanged.
 #: ``due_bucket`` must equal ``to_bucket(due_at)``; ``options`` is a mapping
-#: that nobody mutates (:data:`EMPTY_OPTIONS` when there are none).
+#: that nobody mutates (:data:`EMPTY_OPTIONS` when there are none). ``key``
+#: is None when the key is the id's text (``str(id)``), as for every job
+#: scheduled without a key: the bulk path never formats it.
 NEW_JOB_ROW: tuple[str, ...] = (
     "id",
     "key",

@@ -40,7 +40,7 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
-from celery_sched.models import EMPTY_OPTIONS, MESSAGE_OPTIONS, NewJob, NewJobRow
+from celery_sched.models import EMPTY_OPTIONS, MESSAGE_OPTIONS, NewJob, NewJobRow, id_of_key
 from celery_sched.settings import Settings
 from celery_sched.timeutil import EPOCH, UTC, resolve_local
 
@@ -206,9 +206,12 @@ class JobBuilder:
         else:
             due_at = self._due_at(eta, countdown, now)
 
+        # A job without a key has its id as its key; so does a job whose key
+        # is a UUID in canonical text form (the id is that UUID), which keeps
+        # such a key unique against the ids of keyless jobs. Either way the
+        # row carries None: the store does not keep the key twice.
         if key is None:
             job_id = self._ids.next()
-            key = str(job_id)
         else:
             if type(key) is not str:
                 raise InvalidJob(f"job key must be a string, got {type(key).__name__}")
@@ -218,9 +221,16 @@ class JobBuilder:
                 )
             if not key.isascii() or "\x00" in key:
                 _check_text("job key", key)
-            job_id = self._ids.next()
+            key_id = id_of_key(key)
+            if key_id is None:
+                job_id = self._ids.next()
+            else:
+                job_id, key = key_id, None
 
-        shard = 0 if self._shards == 1 else zlib.crc32(key.encode()) % self._shards
+        if self._shards == 1:
+            shard = 0
+        else:
+            shard = zlib.crc32((str(job_id) if key is None else key).encode()) % self._shards
 
         try:
             defaults = self._task_defaults[task_name]
@@ -390,7 +400,7 @@ class JobBuilder:
     def _with_options(
         self,
         job_id: uuid.UUID,
-        key: str,
+        key: str | None,
         task_name: str,
         body: bytes,
         argsrepr: str,

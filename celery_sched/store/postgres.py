@@ -102,6 +102,7 @@ from celery_sched.models import (
     StoredSchedule,
     SyncResult,
     WorkerUpdate,
+    id_of_key,
     jobs_from_rows,
 )
 from celery_sched.retry import call_with_retry
@@ -252,8 +253,19 @@ class _Queries:
         ).returning(leaders.c.epoch)
 
         # -- reading --
-        self.get_by_key = select(jobs).where(c.key == bindparam("p_key"))
-        self.get_by_id = select(jobs).where(c.id == bindparam("p_id"))
+        # A job whose key is its id stores NULL in ``key`` (0003); every read
+        # of a Job presents the id's text instead.
+        self.job_key = func.coalesce(c.key, cast(c.id, Text)).label("key")
+        self.job_columns = [self.job_key if column.name == "key" else column for column in c]
+        # A key matches a row with that text key, or, when the key is a UUID
+        # in canonical text (``p_key_id``, else NULL), the row with that id
+        # and no text key of its own.
+        self.key_matches = or_(
+            c.key == bindparam("p_key"),
+            and_(c.key.is_(None), c.id == bindparam("p_key_id", type_=c.id.type)),
+        )
+        self.get_by_key = select(*self.job_columns).where(self.key_matches)
+        self.get_by_id = select(*self.job_columns).where(c.id == bindparam("p_id"))
         self.counts_by_status = select(c.status, func.count()).group_by(c.status)
         hour = func.date_trunc("hour", c.due_at, "UTC")
         self.counts_by_hour = select(hour, func.count()).group_by(hour)
@@ -262,9 +274,11 @@ class _Queries:
         )
 
         # -- writing --
-        self.insert = pg_insert(jobs).returning(*c)
+        self.insert = pg_insert(jobs).returning(*self.job_columns)
+        # No conflict target: a taken key is a conflict on the key index or,
+        # for a key that is an id, on the primary key.
         self.insert_or_nothing = (
-            pg_insert(jobs).on_conflict_do_nothing(index_elements=[c.key]).returning(*c)
+            pg_insert(jobs).on_conflict_do_nothing().returning(*self.job_columns)
         )
         columns = ", ".join(f'"{name}"' for name, _ in COPY_COLUMNS)
         self.copy_sql = f'COPY "{schema}".jobs ({columns}) FROM STDIN (FORMAT BINARY)'
@@ -491,7 +505,7 @@ class _Queries:
         )
         self.cancel = (
             update(jobs)
-            .where(c.key == bindparam("p_key"), c.status == _PENDING)
+            .where(self.key_matches, c.status == _PENDING)
             .values(status="cancelled", finished_at=now)
         )
 
@@ -521,7 +535,11 @@ class _Queries:
         # running the JSON loader per row.
         # In Job field order, so rows load without reordering.
         returned = [
-            cast(c.options, Text).label("options") if name == "options" else c[name]
+            cast(c.options, Text).label("options")
+            if name == "options"
+            else self.job_key
+            if name == "key"
+            else c[name]
             for name in JOB_FIELDS
         ]
         return (
@@ -725,7 +743,8 @@ class PostgresJobStore(JobStore):
         if isinstance(orig, psycopg.errors.UniqueViolation):
             detail = orig.diag.message_detail or ""
             match = _UNIQUE_DETAIL.search(detail)
-            if match and match["column"] == "key":
+            # A key that is an id is taken when the id is (primary key).
+            if match and match["column"] in ("key", "id"):
                 return DuplicateJob(key=match["value"])
             if match:
                 return DuplicateJob(f"a job with {match['column']} {match['value']} already exists")
@@ -835,7 +854,7 @@ class PostgresJobStore(JobStore):
                 for _ in range(3):
                     row = conn.execute(self._q.insert_or_nothing, values).first()
                     if row is None:
-                        row = conn.execute(self._q.get_by_key, {"p_key": job.key}).first()
+                        row = conn.execute(self._q.get_by_key, _key_params(job.key)).first()
                     if row is not None:
                         return _job(row)
                 raise StoreError(f"could not insert or read job {job.key!r}")
@@ -870,7 +889,7 @@ class PostgresJobStore(JobStore):
             return fn(conn)
 
     def insert_many(self, jobs: Iterable[NewJob]) -> int:
-        return self.insert_rows(job.as_row() for job in jobs)
+        return self.insert_rows(map(_stored_row, jobs))
 
     def insert_rows(self, rows: Iterable[NewJobRow]) -> int:
         """:meth:`insert_many` for jobs given as :data:`~celery_sched.models.NEW_JOB_ROW`
@@ -934,7 +953,9 @@ class PostgresJobStore(JobStore):
                 stmt = (
                     pg_insert(table)
                     .values(rows[start : start + OCCURRENCE_CHUNK])
-                    .on_conflict_do_nothing(index_elements=[table.c.key])
+                    .on_conflict_do_nothing(
+                        index_elements=[table.c.key], index_where=table.c.key.is_not(None)
+                    )
                     .returning(table.c.id)
                 )
                 written.extend(conn.execute(stmt).scalars())
@@ -945,7 +966,8 @@ class PostgresJobStore(JobStore):
     # -- reading ------------------------------------------------------------
 
     def get(self, key: str) -> Job | None:
-        row = self._tx("get", lambda conn: conn.execute(self._q.get_by_key, {"p_key": key}).first())
+        params = _key_params(key)
+        row = self._tx("get", lambda conn: conn.execute(self._q.get_by_key, params).first())
         return None if row is None else _job(row)
 
     def get_by_id(self, job_id: uuid.UUID) -> Job | None:
@@ -973,7 +995,7 @@ class PostgresJobStore(JobStore):
     # -- user transitions ---------------------------------------------------
 
     def cancel(self, key: str) -> bool:
-        return self._rowcount("cancel", self._q.cancel, {"p_key": key}) > 0
+        return self._rowcount("cancel", self._q.cancel, _key_params(key)) > 0
 
     # -- leadership fencing -------------------------------------------------
 
@@ -1358,7 +1380,7 @@ class PostgresJobStore(JobStore):
                 return None
             row = conn.execute(self._q.insert_or_nothing, values).first()
             if row is None:
-                row = conn.execute(self._q.get_by_key, {"p_key": job.key}).one()
+                row = conn.execute(self._q.get_by_key, _key_params(job.key)).one()
             return _job(row)
 
         return self._tx("trigger_occurrence", write)
@@ -1483,10 +1505,26 @@ class PostgresJobStore(JobStore):
             logger.debug("withdrew future occurrences of %d schedules", len(earliest))
 
 
+def _stored_key(job: NewJob) -> str | None:
+    """What ``jobs.key`` holds for ``job``: None when the key is the id's text."""
+    key = job.key
+    return None if len(key) == 36 and key == str(job.id) else key
+
+
+def _stored_row(job: NewJob) -> NewJobRow:
+    row = job.as_row()
+    key = _stored_key(job)
+    return row if key is not None else (row[0], None, *row[2:])
+
+
+def _key_params(key: str) -> dict[str, Any]:
+    return {"p_key": key, "p_key_id": id_of_key(key)}
+
+
 def _row_values(job: NewJob) -> dict[str, Any]:
     return {
         "id": job.id,
-        "key": job.key,
+        "key": _stored_key(job),
         "task": job.task,
         "body": job.body,
         "content_type": job.content_type,
@@ -1736,7 +1774,9 @@ class _ScheduleQueries:
                     )
                 ),
             )
-            .on_conflict_do_nothing(index_elements=[jobs.c.key])
+            .on_conflict_do_nothing(
+                index_elements=[jobs.c.key], index_where=jobs.c.key.is_not(None)
+            )
             .returning(jobs.c.id, jobs.c.due_at, jobs.c.shard)
         )
 
@@ -1863,7 +1903,7 @@ def _occurrence_arrays(jobs: Sequence[NewJob]) -> dict[str, list[Any]]:
 
     return {
         "u_id": [job.id for job in jobs],
-        "u_key": [job.key for job in jobs],
+        "u_key": [_stored_key(job) for job in jobs],
         "u_task": [job.task for job in jobs],
         "u_body": [job.body for job in jobs],
         "u_content_type": [job.content_type for job in jobs],

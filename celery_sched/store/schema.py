@@ -71,7 +71,11 @@ def build_metadata(schema: str) -> MetaData:
         metadata,
         # The id is also the Celery task id, so the caller chooses it.
         Column("id", Uuid(as_uuid=True), primary_key=True),
-        Column("key", Text, nullable=False),
+        # NULL when the key is the job's id (every job scheduled without a
+        # key): readers present id::text, and the primary key keeps such keys
+        # unique, so only the keys callers chose take an entry in the key
+        # index. (0003)
+        Column("key", Text, nullable=True),
         Column("task", Text, nullable=False),
         Column("body", LargeBinary, nullable=False),
         Column("content_type", Text, nullable=False),
@@ -98,7 +102,6 @@ def build_metadata(schema: str) -> MetaData:
         _ts("finished_at"),
         Column("worker", Text, nullable=True),
         Column("last_error", Text, nullable=True),
-        UniqueConstraint("key", name="jobs_key_key"),
         CheckConstraint(f"status IN ({status_list})", name="jobs_status_check"),
         postgresql_with=JOBS_STORAGE,
     )
@@ -111,6 +114,12 @@ def build_metadata(schema: str) -> MetaData:
         jobs.c.due_bucket,
         jobs.c.due_at,
         postgresql_where=text("status = 'pending'"),
+    )
+    Index(
+        "jobs_key_key",
+        jobs.c.key,
+        unique=True,
+        postgresql_where=text("key IS NOT NULL"),
     )
     Index(
         "jobs_dispatched_idx",

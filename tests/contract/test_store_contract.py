@@ -116,6 +116,58 @@ def test_insert_duplicate_key_can_return_existing(store: JobStore) -> None:
     assert store.counts_by_status() == {JobStatus.PENDING: 1}
 
 
+def id_keyed(due_at: dt.datetime) -> NewJob:
+    """A job whose key is its id's text, as for every job scheduled without a key."""
+    job_id = uuid.uuid4()
+    return new_job(str(job_id), due_at, id=job_id)
+
+
+def test_a_key_that_is_the_id_reads_back_claims_and_cancels_by_that_key(store: JobStore) -> None:
+    single, bulk, gone = id_keyed(past(store, 5)), id_keyed(past(store, 4)), id_keyed(future(store))
+    assert store.insert(single).key == single.key
+    # The bulk path's rows leave such a key out (None); it reads back as the id's text.
+    assert store.insert_rows([(bulk.as_row()[0], None, *bulk.as_row()[2:])]) == 1
+    assert store.insert_many([gone]) == 1
+    for job in (single, bulk, gone):
+        stored = store.get(job.key)
+        assert stored is not None
+        assert (stored.id, stored.key) == (job.id, str(job.id))
+        by_id = store.get_by_id(job.id)
+        assert by_id is not None and by_id.key == job.key
+    claimed = store.claim_due(shard=0, epoch=leader(store), limit=10)
+    assert [(job.id, job.key) for job in claimed] == [(single.id, single.key), (bulk.id, bulk.key)]
+    assert store.cancel(gone.key) is True
+    assert status_of(store, gone.key) is JobStatus.CANCELLED
+
+
+def test_a_key_that_is_the_id_is_unique_with_the_id(store: JobStore) -> None:
+    first = id_keyed(future(store))
+    store.insert(first)
+    again = new_job(first.key, future(store, 60), id=first.id)
+    with pytest.raises(DuplicateJob) as info:
+        store.insert(again)
+    assert info.value.key == first.key
+    assert store.insert(again, if_exists="return") == store.get(first.key)
+    with pytest.raises(DuplicateJob):
+        store.insert_rows([(first.id, None, *again.as_row()[2:])])
+    assert store.counts_by_status() == {JobStatus.PENDING: 1}
+
+
+def test_a_uuid_text_key_must_be_the_jobs_id(store: JobStore) -> None:
+    """Such a key is kept as the id, so no job may pair it with another id; a
+    key that is not a UUID's canonical text is an ordinary key."""
+    other = store.insert(new_job("k", future(store)))
+    with pytest.raises(ValueError, match="must be the job's id"):
+        new_job(str(other.id), future(store, 60))
+    upper = store.insert(new_job(str(other.id).upper(), future(store, 60)))
+    assert upper.id != other.id and upper.key == str(other.id).upper()
+    assert store.get(str(other.id)) is None
+    found = store.get(str(other.id).upper())
+    assert found is not None and found.id == upper.id
+    assert store.cancel(str(other.id)) is False
+    assert status_of(store, "k") is JobStatus.PENDING
+
+
 # -- insert_many -----------------------------------------------------------------
 
 

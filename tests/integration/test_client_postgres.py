@@ -87,6 +87,22 @@ def test_duplicate_key(client: Client, settings: Settings) -> None:
     assert row_count(settings) == 1
 
 
+def test_the_key_a_keyless_job_was_given_is_taken(client: Client, settings: Settings) -> None:
+    """A keyless job's key is its id's text; scheduling with that key again,
+    one at a time or in bulk, is a duplicate of it."""
+    first = client.schedule("tests.add", (1,))
+    assert first.key == str(first.id)
+    with pytest.raises(DuplicateJob, match=first.key):
+        client.schedule("tests.add", (2,), key=first.key)
+    assert client.schedule("tests.add", (2,), key=first.key, if_exists="return") == first
+    with pytest.raises(DuplicateJob):
+        client.schedule_many([{"task": "tests.add", "args": (3,), "key": first.key}])
+    bulk = client.schedule_many([{"task": "tests.add", "args": (4,)}])
+    assert bulk == 1
+    assert client.get(first.key) == first
+    assert client.cancel(first.key) is True
+
+
 def test_invalid_input_writes_nothing(client: Client, settings: Settings) -> None:
     with pytest.raises(UnknownTask):
         client.schedule("tests.missing")

@@ -14,11 +14,14 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
 
-from celery_sched.errors import SchemaMissing, StoreUnavailable
+from celery_sched.errors import DuplicateJob, SchemaMissing, StoreUnavailable
 from celery_sched.models import Job, JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
-from celery_sched.store.postgres import PostgresJobStore
+from celery_sched.store.postgres import MIGRATIONS_DIR, PostgresJobStore
 from celery_sched.store.schema import build_metadata
 from tests.contract.conftest import new_job
 
@@ -159,12 +162,57 @@ def test_migrate_twice_and_concurrently(settings: Settings) -> None:
             versions = conn.execute(
                 f'SELECT version_num FROM "{settings.db_schema}".alembic_version'
             ).fetchall()
-        assert versions == [("0002",)]
+        assert versions == [("0003",)]
         stores[1].insert(new_job("works", stores[1].now()))
         assert stores[2].get("works") is not None
     finally:
         for s in stores:
             s.close()
+
+
+def test_upgrading_to_0003_keeps_earlier_keys_and_stores_id_keys_once(settings: Settings) -> None:
+    """Rows written under 0002 keep their text keys and still answer to them;
+    a new job whose key is its id stores NULL, and that key stays unique."""
+    schema = settings.db_schema
+    engine = sa.create_engine(settings.database_url)
+    try:
+        with engine.begin() as conn:
+            config = Config()
+            config.set_main_option("script_location", str(MIGRATIONS_DIR))
+            config.attributes["connection"] = conn
+            config.attributes["schema"] = schema
+            command.upgrade(config, "0002")
+    finally:
+        engine.dispose()
+    old = uuid.uuid4()
+    with raw_connect(settings) as conn:
+        conn.execute(
+            f'INSERT INTO "{schema}".jobs (id, key, task, body, content_type, content_encoding,'
+            " due_at, due_bucket) SELECT id, key, 't', '\\x00', 'application/json', 'utf-8',"
+            " now() + interval '1 day', 0 FROM (VALUES (%s::uuid, %s), (gen_random_uuid(),"
+            " 'caller-key')) AS v (id, key)",
+            (old, str(old)),
+        )
+    store = PostgresJobStore(settings)
+    try:
+        store.migrate()
+        for key in (str(old), "caller-key"):
+            found = store.get(key)
+            assert found is not None and found.key == key
+        with pytest.raises(DuplicateJob):
+            store.insert(new_job(str(old), store.now(), id=old))
+        fresh = uuid.uuid4()
+        store.insert(new_job(str(fresh), store.now(), id=fresh))
+        with raw_connect(settings) as conn:
+            stored = conn.execute(
+                f'SELECT key FROM "{schema}".jobs WHERE id = %s', (fresh,)
+            ).fetchone()
+        assert stored == (None,)
+        stored_job = store.get(str(fresh))
+        assert stored_job is not None and stored_job.key == str(fresh)
+        assert store.counts_by_status() == {JobStatus.PENDING: 3}
+    finally:
+        store.close()
 
 
 def test_unreachable_database_raises_store_unavailable_without_password(

@@ -534,13 +534,32 @@ def test_bulk_row_equals_the_validated_new_job(
     assert row[2:] == expected[2:]
     assert row[NEW_JOB_ROW.index("due_bucket")] == job.due_bucket
     if key is None:
-        assert row[1] == str(row[0])
+        # The key is the id: the row leaves it out, NewJob spells it out.
+        assert row[1] is None
+        assert NewJob.from_row(row).key == str(row[0])
     else:
         assert row[1] == key
     # And a NewJob rebuilt from the row passes NewJob's own validation unchanged.
     rebuilt = NewJob.from_row(row)
-    assert rebuilt.as_row() == row
+    assert rebuilt.as_row() == (row[0], rebuilt.key, *row[2:])
     assert isinstance(rebuilt.options, dict)
+
+
+@pytest.mark.parametrize("form", ["canonical", "upper", "braces"])
+def test_a_key_that_is_a_uuids_text_becomes_the_job_id(builder: JobBuilder, form: str) -> None:
+    """Only the canonical text (``str(uuid)``) is the id; other spellings are
+    ordinary keys, with ids of their own."""
+    value = uuid.uuid4()
+    key = {"canonical": str(value), "upper": str(value).upper(), "braces": f"{{{value}}}"}[form]
+    job = builder.build("tests.add", [1], key=key, now=fixed_now)
+    fields = frozenset({"task", "key"})
+    row = builder.build_row({"task": "tests.add", "key": key}, fixed_now, fields)
+    assert job.key == key
+    if form == "canonical":
+        assert (job.id, row[0], row[1]) == (value, value, None)
+    else:
+        assert job.id != value and row[0] != value and row[1] == key
+        assert job.id.version == 7
 
 
 def test_bulk_row_without_options_shares_the_read_only_empty_mapping(builder: JobBuilder) -> None:
