@@ -30,6 +30,7 @@ import psycopg
 import psycopg.errors
 from psycopg import pq
 from psycopg.adapt import Dumper
+from psycopg.types.string import BytesBinaryDumper
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -915,6 +916,9 @@ class PostgresJobStore(JobStore):
                     )
                     count = 0
                     cur.adapters.register_dumper(None, _OptionsDumper)
+                    # By type oid, bytea maps to psycopg's DB-API dumper, a
+                    # Python subclass; the plain bytes dumper runs in C.
+                    cur.adapters.register_dumper(None, BytesBinaryDumper)
                     with cur.copy(self._q.copy_sql) as copy:
                         copy.set_types(self._q.copy_types)
                         write_row = copy.write_row
