@@ -10,8 +10,12 @@ from requeueing work that a worker has taken.
 Status writes must not throttle workers, so handlers only enqueue: one
 background thread per worker process applies the queued reports in a single
 transaction every ``FLUSH_INTERVAL`` seconds (or as soon as ``FLUSH_SIZE``
-are waiting). A report that cannot be written is logged and dropped, never
-raised into the task: the worst outcome is a job that looks untaken and is
+are waiting). Reports are never raised into the task. While PostgreSQL is
+unreachable they are kept (up to ``MAX_HELD``) and written once it is back,
+so an outage shorter than the visibility timeout makes the reconciler requeue
+nothing. A report that still cannot be written (the oldest beyond
+``MAX_HELD``, one the store refuses, or the last ones when the process exits)
+is logged and dropped: the worst outcome is a job that looks untaken and is
 requeued after its visibility timeout, which the idempotency ledger
 (``celery_sched.Task``) turns into no second execution.
 """
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
-from celery_sched.errors import CelerySchedError
+from celery_sched.errors import CelerySchedError, StoreUnavailable
 from celery_sched.models import JobStatus, WorkerUpdate
 
 if TYPE_CHECKING:
@@ -66,6 +70,11 @@ def install(app: Any, store: JobStore | None = None) -> None:
 FLUSH_INTERVAL = 0.05
 #: Reports that trigger an early flush.
 FLUSH_SIZE = 500
+#: Reports kept through a database outage; beyond it the oldest are dropped.
+MAX_HELD = 20_000
+#: Pause before the next write once one failed (the store has already
+#: retried the write itself).
+RETRY_INTERVAL = 1.0
 
 
 class StatusWriter:
@@ -75,49 +84,93 @@ class StatusWriter:
     does not survive a fork).
     """
 
-    def __init__(self, store: JobStore, *, interval: float = FLUSH_INTERVAL) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        *,
+        interval: float = FLUSH_INTERVAL,
+        retry_interval: float = RETRY_INTERVAL,
+        max_held: int = MAX_HELD,
+    ) -> None:
         self.store = store
         self.pid = os.getpid()
         self._interval = interval
+        self._retry_interval = retry_interval
+        self._max_held = max_held
         self._pending: list[WorkerUpdate] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._failing = False
         self._thread = threading.Thread(target=self._run, name="celery_sched-status", daemon=True)
         self._thread.start()
 
     def report(self, update: WorkerUpdate) -> None:
         with self._cond:
             self._pending.append(update)
-            if len(self._pending) >= FLUSH_SIZE:
+            # While the store is unavailable the thread waits out its retry
+            # interval; a full batch does not cut that short.
+            if len(self._pending) >= FLUSH_SIZE and not self._failing:
                 self._cond.notify()
 
-    def flush(self) -> None:
-        """Write everything reported so far (called by the thread and at exit)."""
+    def flush(self, *, final: bool = False) -> bool:
+        """Write everything reported so far (called by the thread and at exit).
+
+        Returns False when the store was unavailable: the batch is then kept,
+        ahead of newer reports, for the next flush (unless ``final``).
+        """
         with self._cond:
             batch, self._pending = self._pending, []
         if not batch:
-            return
+            return True
         try:
             self.store.apply_worker_updates(batch)
+        except StoreUnavailable as exc:
+            if final:
+                logger.warning("could not record %d job status reports: %s", len(batch), exc)
+                return False
+            with self._cond:
+                held = batch + self._pending
+                dropped = len(held) - self._max_held
+                if dropped > 0:
+                    del held[:dropped]
+                self._pending = held
+            logger.warning(
+                "could not record %d job status reports, keeping them for the next try: %s",
+                len(batch),
+                exc,
+            )
+            if dropped > 0:
+                logger.error(
+                    "dropped the %d oldest job status reports (more than %d waiting); "
+                    "the reconciler requeues those jobs after their visibility timeout",
+                    dropped,
+                    self._max_held,
+                )
+            return False
         except CelerySchedError as exc:
             logger.warning("could not record %d job status reports: %s", len(batch), exc)
+        return True
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=5)
-        self.flush()
+        self.flush(final=True)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._closed and len(self._pending) < FLUSH_SIZE:
+                if self._failing:
+                    self._cond.wait(self._retry_interval)
+                elif not self._closed and len(self._pending) < FLUSH_SIZE:
                     self._cond.wait(self._interval)
                 closed = self._closed
-            self.flush()
             if closed:
                 return
+            ok = self.flush()
+            with self._cond:
+                self._failing = not ok
 
 
 _writers: dict[int, StatusWriter] = {}
@@ -133,10 +186,11 @@ def writer_for(app: Any) -> StatusWriter:
 
 
 def flush_all(**_: Any) -> None:
-    """Write every queued report of this process (worker shutdown, tests)."""
+    """Write every queued report of this process (worker shutdown, tests);
+    nothing later would write what fails now."""
     for writer in list(_writers.values()):
         if writer.pid == os.getpid():
-            writer.flush()
+            writer.flush(final=True)
 
 
 def store_for(app: Any) -> JobStore:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,8 @@ import pytest
 from celery import Celery
 
 from celery_sched import tracking
-from celery_sched.models import JobStatus
+from celery_sched.errors import StoreError, StoreUnavailable
+from celery_sched.models import JobStatus, WorkerUpdate
 from celery_sched.store.memory import MemoryJobStore
 from tests.contract.conftest import new_job
 
@@ -97,6 +99,87 @@ def test_reports_are_written_in_batches_by_the_background_thread(
     assert sum(calls) == 100  # running + succeeded for each
     assert len(calls) < 50  # batched, not one write per report
     assert {store.get_by_id(i).status for i in ids} == {JobStatus.SUCCEEDED}  # type: ignore[union-attr]
+
+
+class FlakyStore(MemoryJobStore):
+    """A memory store whose worker-update writes fail while ``down`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down: type[Exception] | None = None
+        self.attempts = 0
+
+    def apply_worker_updates(self, updates: Any) -> int:
+        self.attempts += 1
+        if self.down is not None:
+            raise self.down("PostgreSQL at postgresql://db is unavailable")
+        return super().apply_worker_updates(updates)
+
+
+def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_reports_made_while_the_store_is_down_are_written_once_it_is_back() -> None:
+    store = FlakyStore()
+    ids = [_dispatched(store, f"o{i}") for i in range(3)]
+    store.down = StoreUnavailable
+    writer = tracking.StatusWriter(store, interval=0.01, retry_interval=0.05)
+    try:
+        for job_id in ids:
+            writer.report(WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker="w1"))
+        _wait_for(lambda: store.attempts >= 2)  # failed, kept, tried again
+        writer.report(WorkerUpdate(job_id=ids[0], status=JobStatus.SUCCEEDED, worker="w1"))
+        assert {store.get_by_id(i).status for i in ids} == {JobStatus.DISPATCHED}  # type: ignore[union-attr]
+        store.down = None
+        _wait_for(lambda: store.get_by_id(ids[0]).status is JobStatus.SUCCEEDED)  # type: ignore[union-attr]
+        assert [store.get_by_id(i).status for i in ids[1:]] == [JobStatus.RUNNING] * 2  # type: ignore[union-attr]
+    finally:
+        writer.close()
+
+
+def test_reports_beyond_the_limit_drop_the_oldest_first(caplog: pytest.LogCaptureFixture) -> None:
+    store = FlakyStore()
+    ids = [_dispatched(store, f"l{i}") for i in range(5)]
+    store.down = StoreUnavailable
+    writer = tracking.StatusWriter(store, interval=60, retry_interval=60, max_held=3)
+    try:
+        for job_id in ids:
+            writer.report(WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker="w1"))
+        assert writer.flush() is False
+        assert "dropped the 2 oldest job status reports" in caplog.text
+        store.down = None
+        assert writer.flush() is True
+        statuses = [store.get_by_id(i).status for i in ids]  # type: ignore[union-attr]
+        assert statuses == [JobStatus.DISPATCHED] * 2 + [JobStatus.RUNNING] * 3
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "final", "kept"),
+    [(StoreError, False, False), (StoreUnavailable, True, False), (StoreUnavailable, False, True)],
+)
+def test_only_an_unavailable_store_keeps_reports_and_only_until_the_last_flush(
+    error: type[Exception], final: bool, kept: bool
+) -> None:
+    store = FlakyStore()
+    job_id = _dispatched(store, "k")
+    store.down = error
+    writer = tracking.StatusWriter(store, interval=60, retry_interval=60)
+    try:
+        writer.report(WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker="w1"))
+        writer.flush(final=final)
+        store.down = None
+        writer.flush()
+        job = store.get_by_id(job_id)
+        assert job is not None
+        assert job.status is (JobStatus.RUNNING if kept else JobStatus.DISPATCHED)
+    finally:
+        writer.close()
 
 
 @pytest.fixture
