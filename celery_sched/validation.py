@@ -18,10 +18,11 @@ import datetime as dt
 import json
 import math
 import os
+import struct
 import uuid
 import zlib
 import zoneinfo
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from json.encoder import encode_basestring_ascii
 from time import time_ns
 from typing import Any
@@ -627,33 +628,39 @@ class UUID7Source:
     randomness in blocks and building the UUID directly avoids both.
     """
 
-    _RANDOM_BYTES = 10
-    _BLOCK = _RANDOM_BYTES * 4096
+    # 80 random bits per id, unpacked as a 64-bit and a 16-bit part; the
+    # version and variant bits are then overwritten (74 stay random).
+    _PARTS = struct.Struct(">QH")
+    _BLOCK = _PARTS.size * 4096
     _CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
     _SET = (0x8000 << 48) | (7 << 76)
 
     def __init__(self) -> None:
-        self._buf = b""
-        self._pos = 0
+        self._parts: Iterator[tuple[int, int]] = iter(())
         self._fast = _can_build_uuid_directly()
 
     def next(self) -> uuid.UUID:
-        pos = self._pos
-        if pos >= len(self._buf):
-            self._buf = os.urandom(self._BLOCK)
-            pos = 0
-        end = pos + self._RANDOM_BYTES
-        self._pos = end
-        random_bits = int.from_bytes(self._buf[pos:end], "big")
-        value = (((time_ns() // 1_000_000) << 80) | random_bits) & self._CLEAR | self._SET
+        # Thread-safe without a lock: each step of the C unpacking iterator
+        # runs under the GIL, so no two calls get the same random bits (two
+        # threads replacing an exhausted iterator at once just draw twice).
+        try:
+            high, low = next(self._parts)
+        except StopIteration:
+            self._parts = self._PARTS.iter_unpack(os.urandom(self._BLOCK))
+            high, low = next(self._parts)
+        value = ((time_ns() // 1_000_000) << 80 | high << 16 | low) & self._CLEAR | self._SET
         if not self._fast:
             return uuid.UUID(int=value)
-        return _uuid_from_int(value)
+        obj: uuid.UUID = _new(_UUID)
+        _set(obj, "int", value)
+        _set(obj, "is_safe", _SAFE_UNKNOWN)
+        return obj
 
 
 _new = object.__new__
 _set = object.__setattr__
 _SAFE_UNKNOWN = uuid.SafeUUID.unknown
+_UUID = uuid.UUID
 
 
 def _uuid_from_int(value: int) -> uuid.UUID:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import sys
+import threading
 import time
 import uuid
 import zlib
@@ -29,7 +31,7 @@ from celery_sched.errors import (
 )
 from celery_sched.models import EMPTY_OPTIONS, NEW_JOB_ROW, NewJob
 from celery_sched.settings import Settings
-from celery_sched.validation import MAX_KEY_LENGTH, JobBuilder
+from celery_sched.validation import MAX_KEY_LENGTH, JobBuilder, UUID7Source
 
 UTC = dt.UTC
 NOW = dt.datetime(2024, 6, 1, 12, 0, tzinfo=UTC)
@@ -454,6 +456,32 @@ def test_ids_are_unique_time_ordered_uuid7(builder: JobBuilder) -> None:
     # Built objects behave like ordinary UUIDs.
     assert uuid.UUID(str(ids[0])) == ids[0]
     assert hash(uuid.UUID(str(ids[0]))) == hash(ids[0])
+
+
+def test_ids_drawn_from_many_threads_at_once_are_unique() -> None:
+    """One source serves every thread of a process (a Client shared by a web
+    app's threads): no two calls may get the same random bits."""
+    source = UUID7Source()
+    per_thread = 20_000
+    start = threading.Barrier(8)
+    drawn: list[list[uuid.UUID]] = []
+
+    def draw() -> None:
+        start.wait()
+        drawn.append([source.next() for _ in range(per_thread)])
+
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=draw) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(0.005)
+    ids = [i for batch in drawn for i in batch]
+    assert len(ids) == 8 * per_thread
+    assert len({i.int & ((1 << 80) - 1) for i in ids}) == len(ids)
 
 
 def test_given_key_is_kept(builder: JobBuilder) -> None:
