@@ -34,4 +34,17 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]] ||
     printf '%s\n' "$wanted" >"$STAMP"
 fi
 
+# The compose file is checked with `docker compose config` (or the standalone
+# docker-compose) by the tests; no Docker engine is needed for that. Install
+# Debian's docker-compose when neither is here and we may.
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null 2>&1; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "installing docker-compose (Debian package) to validate docker-compose.yml"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
+    else
+        log "WARNING: neither 'docker compose' nor 'docker-compose' is installed;" \
+            "the compose file test will fail until one is"
+    fi
+fi
+
 bash "$ROOT/scripts/services.sh"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,42 @@ def test_compose_has_every_service() -> None:
     assert services["rabbitmq"]["image"] == "rabbitmq:3-management"
     for name in ("postgres", "redis", "rabbitmq"):
         assert services[name]["healthcheck"]["test"], name
+
+
+def _compose_command() -> list[str]:
+    """``docker compose`` (the v2 plugin) or the standalone ``docker-compose``."""
+    plugin = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    if plugin.returncode == 0:
+        return ["docker", "compose"]
+    standalone = shutil.which("docker-compose")
+    assert standalone, (
+        "neither 'docker compose' nor 'docker-compose' is installed: scripts/bootstrap.sh "
+        "installs Debian's docker-compose when run as root"
+    )
+    return [standalone]
+
+
+def test_compose_file_is_valid_for_docker_compose(tmp_path: Path) -> None:
+    """``docker compose config`` accepts the file (no engine needed) and reads
+    back the services the other tests check; a broken copy is refused."""
+    command = _compose_command()
+    checked = subprocess.run(
+        [*command, "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert set(yaml.safe_load(checked.stdout)["services"]) == set(_compose()["services"])
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(
+        (ROOT / "docker-compose.yml").read_text().replace("replicas: 2", "replicas: two", 1)
+    )
+    refused = subprocess.run(
+        [*command, "-f", str(broken), "config"], capture_output=True, check=False, cwd=ROOT
+    )
+    assert refused.returncode != 0
 
 
 def test_compose_runs_two_beats_after_migration() -> None:
