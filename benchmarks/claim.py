@@ -11,8 +11,12 @@ as a leading beat keeps in flight (``celery_sched.engine.CLAIMS_AHEAD``; each
 loop claims on its own connection, SKIP LOCKED keeps their rows apart); fresh
 due rows are loaded for each. The target applies to the beat's way of claiming.
 
+The due jobs are keyless by default (their key is their id, as for
+``Client.schedule`` without ``key=``); ``--keys`` gives each one a key of its
+own, which every claim then also writes into the key index.
+
 Usage: .venv/bin/python benchmarks/claim.py [--future 1000000 5000000] [--due 100000]
-    [--claimers 1 3]
+    [--claimers 1 3] [--keys]
 The last line printed is one JSON object.
 """
 
@@ -55,12 +59,15 @@ FROM (
 """
 
 
-def jobs(count: int, start: dt.datetime, spread: dt.timedelta) -> Iterator[NewJob]:
-    """Due jobs as ``Client.schedule`` makes them when the caller gives no key:
-    a time-ordered (UUIDv7) id, which is also the key. The ids matter: a
-    claim writes each row's new version into the primary key, and v7 ids
-    of jobs scheduled together sit on neighbouring index pages (random v4
-    ids measured ~30% more server time per claimed row)."""
+def jobs(
+    count: int, start: dt.datetime, spread: dt.timedelta, *, keys: bool = False
+) -> Iterator[NewJob]:
+    """Due jobs as ``Client.schedule`` makes them: a time-ordered (UUIDv7) id,
+    which is also the key unless ``keys`` gives each job a key of its own
+    (then every claim also writes an entry into the key index). The ids
+    matter: a claim writes each row's new version into the primary key, and
+    v7 ids of jobs scheduled together sit on neighbouring index pages
+    (random v4 ids measured ~30% more server time per claimed row)."""
     step = spread / max(count, 1)
     options = {"queue": "celery"}
     ids = UUID7Source()
@@ -68,7 +75,7 @@ def jobs(count: int, start: dt.datetime, spread: dt.timedelta) -> Iterator[NewJo
         job_id = ids.next()
         yield NewJob(
             id=job_id,
-            key=str(job_id),
+            key=f"due-{job_id}" if keys else str(job_id),
             task="bench.add",
             body=BODY,
             content_type="application/json",
@@ -120,7 +127,9 @@ def claim_all(
     return sum(counts), elapsed, time.process_time() - cpu_started, latencies
 
 
-def run(url: str, future: int, due: int, batch: int, claimers: list[int]) -> list[dict[str, Any]]:
+def run(
+    url: str, future: int, due: int, batch: int, claimers: list[int], keys: bool
+) -> list[dict[str, Any]]:
     schema = f"bench_claim_{uuid.uuid4().hex[:8]}"
     settings = Settings(database_url=url, db_schema=schema, statement_timeout=600.0)
     store = PostgresJobStore(settings)
@@ -141,7 +150,7 @@ def run(url: str, future: int, due: int, batch: int, claimers: list[int]) -> lis
             started = time.perf_counter()
             # The due rows go through the real bulk path (COPY via insert_many).
             loaded = store.insert_many(
-                jobs(due, now - dt.timedelta(minutes=10), dt.timedelta(minutes=9))
+                jobs(due, now - dt.timedelta(minutes=10), dt.timedelta(minutes=9), keys=keys)
             )
             load_seconds = time.perf_counter() - started
             with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
@@ -189,6 +198,11 @@ def main() -> None:
     parser.add_argument("--due", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument(
+        "--keys",
+        action="store_true",
+        help="give every due job a key of its own (default: keyless, the key is the id)",
+    )
+    parser.add_argument(
         "--claimers",
         type=int,
         nargs="+",
@@ -203,9 +217,9 @@ def main() -> None:
     runs = [
         result
         for future in args.future
-        for result in run(args.url, future, args.due, args.batch, args.claimers)
+        for result in run(args.url, future, args.due, args.batch, args.claimers, args.keys)
     ]
-    summary: dict[str, Any] = {"benchmark": "claim", "runs": runs}
+    summary: dict[str, Any] = {"benchmark": "claim", "due_jobs_have_keys": args.keys, "runs": runs}
     most = max(args.claimers)
     beat_like = [r for r in runs if r["claimers"] == most]
     summary["claimers_as_the_beat"] = most
