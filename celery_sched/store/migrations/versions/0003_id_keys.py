@@ -16,9 +16,10 @@ Rows written before this revision keep their text keys; lookups match a key
 either way, so nothing is rewritten. One case is not covered: a row from
 before this revision whose caller-chosen key was a UUID's canonical text but
 whose id differs (a key now always becomes the id) still answers to its key,
-yet a new job with the same key would not be refused as its duplicate. Replacing the unique constraint by the
-partial unique index reads the jobs table once and blocks writes to it while
-it runs.
+yet a new job with the same key would not be refused as its duplicate.
+
+Replacing the unique constraint by the partial unique index reads the jobs
+table once and blocks writes to it while it runs.
 """
 
 from __future__ import annotations
