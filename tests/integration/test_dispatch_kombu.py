@@ -351,3 +351,67 @@ def test_redis_global_keyprefix_is_applied(redis_url: str, unique_name: str) -> 
         keys = client.keys(f"{prefix}*")
         client.delete(*keys, unique_name, f"_kombu.binding.{unique_name}")
         client.close()
+
+
+def test_rabbitmq_messages_equal_what_kombu_publishes(
+    amqp_url: str, queues: dict[str, str], redis_url: str
+) -> None:
+    """The direct py-amqp path (properties encoded by celery_sched) puts on
+    the wire exactly what Kombu's own publish puts there: the same
+    properties, headers, body and routing for every kind of job."""
+    app = make_app(amqp_url, queues["routed"])
+    app.conf.task_default_queue = queues["default"]
+    now = dt.datetime.now(dt.UTC)
+    jobs = [
+        make_job(RECORD_TASK, (1, "a"), {"n": 1}, attempt=3),
+        make_job(ROUTED_TASK, ("routed",), key=str(uuid.uuid4())),
+        make_job(
+            RECORD_TASK,
+            ("opts",),
+            options={
+                "queue": queues["option"],
+                "priority": 7,
+                "headers": {"x_custom": "yes", "nested": {"a": [1, None, "é"]}},
+                "time_limit": 30,
+                "ignore_result": True,
+            },
+        ),
+        make_job(RECORD_TASK, ("later",), expires_at=now + dt.timedelta(minutes=5)),
+    ]
+    settings = Settings(redis_url=redis_url, hostname="celery_sched@test")
+    received: dict[str, list[dict[str, Any]]] = {}
+    try:
+        for direct in (True, False):
+            dispatcher = KombuDispatcher(app, settings)
+            dispatcher.amqp_direct = direct
+            try:
+                result = dispatcher.publish(jobs, epoch=5, now=now)
+            finally:
+                dispatcher.close()
+            assert sorted(result.sent) == sorted(job.id for job in jobs)
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            for name in queues.values():
+                # The raw frames' decoding: what a consumer receives.
+                while (message := channel.basic_get(queue=name, no_ack=True)) is not None:
+                    properties = dict(message.properties)
+                    received.setdefault(properties["correlation_id"], []).append(
+                        {
+                            "queue": name,
+                            "properties": properties,
+                            "body": message.body,
+                            "routing_key": message.delivery_info["routing_key"],
+                            "exchange": message.delivery_info["exchange"],
+                        }
+                    )
+    finally:
+        delete_queues(app, list(queues.values()), redis_url)
+    assert sorted(received) == sorted(str(job.id) for job in jobs)
+    for task_id, pair in received.items():
+        assert len(pair) == 2, task_id
+        assert pair[0] == pair[1], task_id
+    opts = received[str(jobs[2].id)][0]
+    assert opts["properties"]["priority"] == 7
+    assert opts["properties"]["application_headers"]["nested"] == {"a": [1, None, "é"]}
+    assert opts["queue"] == queues["option"]
+    assert int(received[str(jobs[3].id)][0]["properties"]["expiration"]) > 290_000
