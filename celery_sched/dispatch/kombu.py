@@ -529,25 +529,23 @@ class KombuDispatcher(Dispatcher):
                                     exchange=route.exchange,
                                     routing_key=route.routing_key,
                                 )
-                                if events is not None:
-                                    self._send_event(events, producer, message)
-                                continue
-                            properties: dict[str, Any] = {}
-                            if message.expiration is not None:
-                                properties["expiration"] = max(message.expiration, 0.0)
-                            publish(
-                                message.body,
-                                exchange=route.exchange,
-                                routing_key=route.routing_key,
-                                content_type=message.content_type,
-                                content_encoding=message.content_encoding,
-                                headers=message.headers,
-                                delivery_mode=route.delivery_mode,
-                                priority=message.priority,
-                                correlation_id=message.task_id,
-                                reply_to=reply_to,
-                                **properties,
-                            )
+                            else:
+                                properties: dict[str, Any] = {}
+                                if message.expiration is not None:
+                                    properties["expiration"] = max(message.expiration, 0.0)
+                                publish(
+                                    message.body,
+                                    exchange=route.exchange,
+                                    routing_key=route.routing_key,
+                                    content_type=message.content_type,
+                                    content_encoding=message.content_encoding,
+                                    headers=message.headers,
+                                    delivery_mode=route.delivery_mode,
+                                    priority=message.priority,
+                                    correlation_id=message.task_id,
+                                    reply_to=reply_to,
+                                    **properties,
+                                )
                             if events is not None:
                                 self._send_event(events, producer, message)
                         except TRANSIENT_ERRORS:
