@@ -10,7 +10,7 @@ hold and py-amqp's own ``dumps`` for any other value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from struct import Struct
 from typing import Any
 
@@ -23,15 +23,10 @@ _U32 = Struct(">I").pack
 _I32 = Struct(">i").pack
 _I64 = Struct(">q").pack
 
-# Property flags, in py-amqp's order of ``Message.PROPERTIES``.
-_CONTENT_TYPE = 1 << 15
-_CONTENT_ENCODING = 1 << 14
-_HEADERS = 1 << 13
-_DELIVERY_MODE = 1 << 12
-_PRIORITY = 1 << 11
-_CORRELATION_ID = 1 << 10
-_REPLY_TO = 1 << 9
-_EXPIRATION = 1 << 8
+# The flags of content_type, content_encoding, application_headers,
+# delivery_mode, priority, correlation_id, reply_to and expiration: the first
+# eight of py-amqp's ``Message.PROPERTIES``, from the top bit down.
+_FLAGS = tuple(1 << bit for bit in range(15, 7, -1))
 
 _INT32_MAX = 2147483647
 _TRUE = b"t\x01"
@@ -106,32 +101,23 @@ class PropertiesEncoder:
         expiration: str | None,
     ) -> bytes:
         """What ``amqp.Message(**these)._serialize_properties()`` returns."""
+        table = self.table
+        values: tuple[tuple[Any, Callable[[Any], bytes]], ...] = (
+            (content_type, _shortstr),
+            (content_encoding, _shortstr),
+            (headers, table),
+            (delivery_mode, _U8),
+            (priority, _U8),
+            (correlation_id, _shortstr),
+            (reply_to, _shortstr),
+            (expiration, _shortstr),
+        )
         flags = 0
         parts: list[bytes] = []
-        if content_type is not None:
-            flags |= _CONTENT_TYPE
-            parts.append(_shortstr(content_type))
-        if content_encoding is not None:
-            flags |= _CONTENT_ENCODING
-            parts.append(_shortstr(content_encoding))
-        if headers is not None:
-            flags |= _HEADERS
-            parts.append(self.table(headers))
-        if delivery_mode is not None:
-            flags |= _DELIVERY_MODE
-            parts.append(_U8(delivery_mode))
-        if priority is not None:
-            flags |= _PRIORITY
-            parts.append(_U8(priority))
-        if correlation_id is not None:
-            flags |= _CORRELATION_ID
-            parts.append(_shortstr(correlation_id))
-        if reply_to is not None:
-            flags |= _REPLY_TO
-            parts.append(_shortstr(reply_to))
-        if expiration is not None:
-            flags |= _EXPIRATION
-            parts.append(_shortstr(expiration))
+        for bit, (value, encode) in zip(_FLAGS, values, strict=True):
+            if value is not None:
+                flags |= bit
+                parts.append(encode(value))
         return _U16(flags) + b"".join(parts)
 
 
