@@ -161,10 +161,11 @@ class StatusWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._failing:
-                    self._cond.wait(self._retry_interval)
-                elif not self._closed and len(self._pending) < FLUSH_SIZE:
-                    self._cond.wait(self._interval)
+                if not self._closed:
+                    if self._failing:
+                        self._cond.wait(self._retry_interval)
+                    elif len(self._pending) < FLUSH_SIZE:
+                        self._cond.wait(self._interval)
                 closed = self._closed
             if closed:
                 return
