@@ -954,14 +954,9 @@ class PostgresJobStore(JobStore):
         def write(conn: Connection) -> list[uuid.UUID]:
             written: list[uuid.UUID] = []
             for start in range(0, len(rows), OCCURRENCE_CHUNK):
-                stmt = (
-                    pg_insert(table)
-                    .values(rows[start : start + OCCURRENCE_CHUNK])
-                    .on_conflict_do_nothing(
-                        index_elements=[table.c.key], index_where=table.c.key.is_not(None)
-                    )
-                    .returning(table.c.id)
-                )
+                stmt = _skip_taken_keys(
+                    pg_insert(table).values(rows[start : start + OCCURRENCE_CHUNK])
+                ).returning(table.c.id)
                 written.extend(conn.execute(stmt).scalars())
             return written
 
@@ -1510,9 +1505,16 @@ class PostgresJobStore(JobStore):
 
 
 def _stored_key(job: NewJob) -> str | None:
-    """What ``jobs.key`` holds for ``job``: None when the key is the id's text."""
-    key = job.key
-    return None if len(key) == 36 and key == str(job.id) else key
+    """What ``jobs.key`` holds for ``job``: None when the key is its id's text
+    (``NewJob`` guarantees that a key which is a UUID's text is its id)."""
+    return None if id_of_key(job.key) is not None else job.key
+
+
+def _skip_taken_keys(stmt: Any) -> Any:
+    """``stmt`` (an INSERT into jobs) skipping rows whose caller-chosen key is
+    taken: the conflict target is the partial unique index ``jobs_key_key``."""
+    key = stmt.table.c.key
+    return stmt.on_conflict_do_nothing(index_elements=[key], index_where=key.is_not(None))
 
 
 def _stored_row(job: NewJob) -> NewJobRow:
@@ -1765,9 +1767,8 @@ class _ScheduleQueries:
                 for name, kind in OCCURRENCE_ARRAYS
             )
         ).subquery("u")
-        self.insert_occurrences = (
-            pg_insert(jobs)
-            .from_select(
+        self.insert_occurrences = _skip_taken_keys(
+            pg_insert(jobs).from_select(
                 [name for name, _ in OCCURRENCE_ARRAYS],
                 select(
                     *(
@@ -1778,11 +1779,7 @@ class _ScheduleQueries:
                     )
                 ),
             )
-            .on_conflict_do_nothing(
-                index_elements=[jobs.c.key], index_where=jobs.c.key.is_not(None)
-            )
-            .returning(jobs.c.id, jobs.c.due_at, jobs.c.shard)
-        )
+        ).returning(jobs.c.id, jobs.c.due_at, jobs.c.shard)
 
         # -- changes --
         self.withdraw = (
