@@ -220,6 +220,8 @@ class Job:
     finished_at: dt.datetime | None = None
     worker: str | None = None
     last_error: str | None = None
+    #: The pid of the worker process (on host ``worker``) running the job.
+    worker_pid: int | None = None
 
     def __post_init__(self) -> None:
         _check_aware(
@@ -268,7 +270,7 @@ class _JobDraft:
     """A mutable object with exactly :class:`Job`'s slot layout.
 
     Claims turn thousands of rows per second into Jobs. The frozen
-    dataclass ``__init__`` sets each of its 26 fields through
+    dataclass ``__init__`` sets each of its 27 fields through
     ``object.__setattr__``, which costs more than the database's own work
     per row; filling this twin with plain attribute stores and then
     retyping it as a Job gives the same object for a fraction of that.
@@ -304,6 +306,7 @@ class _JobDraft:
         finished_at: Any,
         worker: Any,
         last_error: Any,
+        worker_pid: Any,
     ) -> None:
         self.id = id
         self.key = key
@@ -331,6 +334,7 @@ class _JobDraft:
         self.finished_at = finished_at
         self.worker = worker
         self.last_error = last_error
+        self.worker_pid = worker_pid
 
 
 def jobs_from_rows(names: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[Job]:
@@ -629,10 +633,20 @@ class StoredSchedule:
     created_at: dt.datetime | None = None
     updated_at: dt.datetime | None = None
     disabled_at: dt.datetime | None = None
+    #: Set when the planner could not plan the schedule (``broken_reason``
+    #: says why); the planner skips it until a change replaces it.
+    broken_at: dt.datetime | None = None
+    broken_reason: str | None = None
 
     def __post_init__(self) -> None:
         _check_aware(
-            self, "last_nominal_at", "next_nominal_at", "created_at", "updated_at", "disabled_at"
+            self,
+            "last_nominal_at",
+            "next_nominal_at",
+            "created_at",
+            "updated_at",
+            "disabled_at",
+            "broken_at",
         )
 
     def as_new(self) -> NewSchedule:

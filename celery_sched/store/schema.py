@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from celery_sched.models import JobStatus
+from celery_sched.models import JobStatus, MisfirePolicy, OverlapPolicy
 
 #: Status values allowed by the ``jobs.status`` CHECK constraint.
 STATUS_VALUES = tuple(status.value for status in JobStatus)
@@ -102,6 +102,9 @@ def build_metadata(schema: str) -> MetaData:
         _ts("finished_at"),
         Column("worker", Text, nullable=True),
         Column("last_error", Text, nullable=True),
+        # The process a running job runs in, beside its host in ``worker``:
+        # the rescuer matches it against that process's heartbeat. (0004)
+        Column("worker_pid", Integer, nullable=True),
         CheckConstraint(f"status IN ({status_list})", name="jobs_status_check"),
         postgresql_with=JOBS_STORAGE,
     )
@@ -152,6 +155,8 @@ def build_metadata(schema: str) -> MetaData:
     )
 
     kind_list = ", ".join(f"'{kind}'" for kind in SCHEDULE_KINDS)
+    misfire_list = ", ".join(f"'{policy.value}'" for policy in MisfirePolicy)
+    overlap_list = ", ".join(f"'{policy.value}'" for policy in OverlapPolicy)
     schedules = Table(
         "schedules",
         metadata,
@@ -184,9 +189,15 @@ def build_metadata(schema: str) -> MetaData:
         # so a planner that read an older definition writes nothing.
         Column("paused", Boolean, nullable=False, server_default=text("false")),
         Column("version", BigInteger, nullable=False, server_default=text("0")),
+        # 0004: a schedule the planner could not plan is set aside with its
+        # reason (shown by `sched schedules`) instead of failing every pass.
+        _ts("broken_at"),
+        Column("broken_reason", Text, nullable=True),
         UniqueConstraint("name", name="schedules_name_key"),
         CheckConstraint(f"kind IN ({kind_list})", name="schedules_kind_check"),
         CheckConstraint("source IN ('static', 'dynamic')", name="schedules_source_check"),
+        CheckConstraint(f"misfire IN ({misfire_list})", name="schedules_misfire_check"),
+        CheckConstraint(f"overlap IN ({overlap_list})", name="schedules_overlap_check"),
     )
     # The planner's scan: schedules whose next instant enters the horizon.
     # Partial, so paused and disabled schedules cost it nothing. (0002)
@@ -194,7 +205,7 @@ def build_metadata(schema: str) -> MetaData:
         "schedules_plan_idx",
         schedules.c.next_nominal_at,
         schedules.c.id,
-        postgresql_where=text("enabled AND NOT paused"),
+        postgresql_where=text("enabled AND NOT paused AND broken_at IS NULL"),
     )
 
     ledger = Table(
@@ -212,6 +223,18 @@ def build_metadata(schema: str) -> MetaData:
         CheckConstraint("state IN ('running', 'completed')", name="ledger_state_check"),
     )
     Index("ledger_completed_idx", ledger.c.completed_at)
+
+    # One row per worker process (a prefork pool's children share a
+    # hostname), refreshed by its status writer; the leader's rescuer
+    # requeues running jobs of processes that stopped beating. (0004)
+    Table(
+        "workers",
+        metadata,
+        Column("hostname", Text, primary_key=True),
+        Column("pid", Integer, primary_key=True, autoincrement=False),
+        _ts("started_at", nullable=False, now_default=True),
+        _ts("seen_at", nullable=False, now_default=True),
+    )
 
     Table(
         "leaders",

@@ -162,7 +162,7 @@ def test_migrate_twice_and_concurrently(settings: Settings) -> None:
             versions = conn.execute(
                 f'SELECT version_num FROM "{settings.db_schema}".alembic_version'
             ).fetchall()
-        assert versions == [("0003",)]
+        assert versions == [("0004",)]
         stores[1].insert(new_job("works", stores[1].now()))
         assert stores[2].get("works") is not None
     finally:

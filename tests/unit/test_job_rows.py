@@ -44,6 +44,7 @@ def stored(**changes: Any) -> dict[str, Any]:
         "finished_at": None,
         "worker": "w1",
         "last_error": "boom",
+        "worker_pid": 4242,
     }
     values.update(changes)
     return values
