@@ -29,6 +29,7 @@ from celery_sched.errors import (
     UnknownSchedule,
     UnknownTask,
     UnknownTimezone,
+    UntrustedContent,
 )
 from celery_sched.models import Job, JobStatus, MisfirePolicy, OverlapPolicy, ScheduleInfo
 
@@ -65,6 +66,7 @@ __all__ = [
     "UnknownSchedule",
     "UnknownTask",
     "UnknownTimezone",
+    "UntrustedContent",
     "clocked",
 ]
 

@@ -20,13 +20,43 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import beat
 
+from celery_sched.errors import ConfigurationError
 from celery_sched.settings import Settings
 
+if TYPE_CHECKING:
+    from celery_sched.interfaces import JobStore
+
 logger = logging.getLogger(__name__)
+
+#: Seconds ``tick`` sleeps after a pass that raised.
+ERROR_DELAY = 1.0
+
+
+def check_shards(store: JobStore, shards: int) -> None:
+    """Refuse to start when unfinished jobs sit in shards ``>= shards``.
+
+    A lowered ``celery_sched_shards`` would leave them to no leader: never
+    dispatched, never requeued. Moving them is not done here; the error says
+    what is there so the operator can restore the count.
+    """
+    stranded = store.unfinished_by_shard(from_shard=shards)
+    if not stranded:
+        return
+    parts = []
+    for shard in sorted(stranded):
+        counts = ", ".join(
+            f"{count} {status.value}" for status, count in sorted(stranded[shard].items())
+        )
+        parts.append(f"shard {shard}: {counts}")
+    raise ConfigurationError(
+        f"celery_sched_shards is {shards}, but unfinished jobs are stored in shards "
+        f"{min(stranded)}..{max(stranded)} that no beat would lead ({'; '.join(parts)}); "
+        f"set celery_sched_shards to at least {max(stranded) + 1} until they have finished"
+    )
 
 
 class Scheduler(beat.Scheduler):
@@ -66,6 +96,11 @@ class Scheduler(beat.Scheduler):
         # Idempotent and serialized by an advisory lock, so every beat of a
         # fleet may run it at start; the first one creates the schema.
         store.migrate()
+        try:
+            check_shards(store, settings.shards)
+        except BaseException:
+            store.close()
+            raise
         redis_client = build_redis(settings)
         elector = LeaderElector(
             build_lease_backend(settings, redis_client),
@@ -124,7 +159,13 @@ class Scheduler(beat.Scheduler):
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self._engine is None:
             self.setup_schedule()
-        delay: float = self._engine.step()
+        try:
+            delay: float = self._engine.step()
+        except Exception:
+            # Engine.step never raises; should that ever break, beat must
+            # still not exit (celery.beat.Service ends on any exception).
+            logger.exception("celery_sched: leader pass failed; retrying")
+            return ERROR_DELAY
         return delay
 
     def should_sync(self) -> bool:

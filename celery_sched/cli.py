@@ -103,7 +103,11 @@ def status(ctx: click.Context, by_hour: bool, status_filter: str | None) -> None
 @click.option("--after", default=None, help="Only schedules named after this (paging).")
 @click.pass_context
 def schedules(ctx: click.Context, limit: int | None, after: str | None) -> None:
-    """List periodic schedules: name, kind, next run, last run, state."""
+    """List periodic schedules: name, kind, next run, last run, state.
+
+    The state is active, paused, disabled (gone from the code), finished or
+    broken; each broken schedule's reason follows the table.
+    """
     client = _client(ctx)
     with _clean_errors(), client:
         infos = client.schedules.list(after=after, limit=limit)
@@ -130,6 +134,11 @@ def schedules(ctx: click.Context, limit: int | None, after: str | None) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    broken = [info for info in infos if info.state == "broken"]
+    if broken:
+        click.echo("Broken (the planner set them aside; update or resume one to retry it):")
+        for info in broken:
+            click.echo(f"  {info.name}  since {when(info.broken_at)}: {info.broken_reason}")
     total = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
     click.echo(f"{len(infos)} shown; stored: {total or 'none'}.")
 

@@ -32,6 +32,8 @@ from celery_sched.models import (
     ScheduleInfo,
     ScheduleRuns,
     StoredSchedule,
+    accepted_content_types,
+    decode_body,
 )
 from celery_sched.settings import Settings
 from celery_sched.validation import JobBuilder, UUID7Source
@@ -91,6 +93,21 @@ class Client:
         if self._builder is None:
             self._builder = JobBuilder(self.app, self.settings)
         return self._builder
+
+    @functools.cached_property
+    def accept(self) -> frozenset[str]:
+        """The content types stored bodies may be decoded from: the app's
+        ``accept_content``, as its workers decode messages."""
+        return accepted_content_types(self.app.conf.accept_content)
+
+    def decode(self, job: Job) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of ``job``, decoded as the app's workers would.
+
+        A body whose content type the app does not accept raises
+        :class:`~celery_sched.errors.UntrustedContent` and is not
+        deserialized (``job.args`` and ``job.decode()`` accept JSON only).
+        """
+        return job.decode(self.accept)
 
     @property
     def schedules(self) -> ScheduleManager:
@@ -159,6 +176,7 @@ class Client:
             check_task=check_task,
             now=self.store.now,
             options=options,
+            caller_key=True,
         )
         job = self.store.insert(new, if_exists=if_exists)
         if job.id == new.id and job.due_at <= self._staging_horizon():
@@ -433,7 +451,10 @@ class ScheduleManager:
 
     def resume(self, name: str) -> ScheduleInfo:
         """Plan the schedule again; what it missed while paused follows its
-        misfire policy (``once``, the default, runs the latest missed one)."""
+        misfire policy (``once``, the default, runs the latest missed one).
+
+        Also retries a ``broken`` schedule (paused or not): the planner
+        tries it again, and marks it broken again if it still fails."""
         info = self._info(self._store.set_schedule_paused(name, False))
         logger.info("resumed schedule %s", name)
         return info
@@ -489,15 +510,16 @@ class ScheduleManager:
         """Schedules by name (those after ``after``, at most ``limit``), each
         with its next and last run."""
         rows = self._store.list_schedules(after=after, limit=limit)
+        accept = self._client.accept
         infos: list[ScheduleInfo] = []
         for start in range(0, len(rows), 1000):
             chunk = rows[start : start + 1000]
             runs = self._store.schedule_runs([row.id for row in chunk])
-            infos.extend(_info(row, runs.get(row.id)) for row in chunk)
+            infos.extend(_info(row, runs.get(row.id), accept) for row in chunk)
         return infos
 
     def counts(self) -> dict[str, int]:
-        """Number of schedules per state (active, paused, disabled)."""
+        """Number of schedules per state (active, paused, disabled, broken)."""
         return self._store.count_schedules()
 
     # -- helpers --------------------------------------------------------------------
@@ -558,7 +580,7 @@ class ScheduleManager:
         from celery_sched import schedules
         from celery_sched.planner import spec_of
 
-        args, kwargs = _decode(row)
+        args, kwargs = _decode(row, self._client.accept)
         value: Any
         if row.kind == "interval":
             # Not the schedule object: its own `relative` would outlive a
@@ -587,7 +609,7 @@ class ScheduleManager:
         }
 
     def _info(self, row: StoredSchedule) -> ScheduleInfo:
-        return _info(row, self._store.schedule_runs([row.id]).get(row.id))
+        return _info(row, self._store.schedule_runs([row.id]).get(row.id), self._client.accept)
 
 
 _STATIC_HINT = (
@@ -597,20 +619,21 @@ _STATIC_HINT = (
 )
 
 
-def _decode(row: StoredSchedule) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    from kombu.serialization import loads
+def _decode(row: StoredSchedule, accept: frozenset[str]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return decode_body(
+        row.body, row.content_type, row.content_encoding, accept, f"schedule {row.name!r}"
+    )
 
-    args, kwargs, _embed = loads(row.body, row.content_type, row.content_encoding, accept=None)
-    return tuple(args), dict(kwargs)
 
-
-def _info(row: StoredSchedule, runs: ScheduleRuns | None) -> ScheduleInfo:
+def _info(row: StoredSchedule, runs: ScheduleRuns | None, accept: frozenset[str]) -> ScheduleInfo:
     runs = runs or ScheduleRuns()
     next_run: dt.datetime | None = None
     if row.enabled and not row.paused:
-        candidates = [t for t in (runs.next_due_at, row.next_nominal_at) if t is not None]
+        # A broken schedule plans nothing more; what it planned before still runs.
+        planned = None if row.broken_at is not None else row.next_nominal_at
+        candidates = [t for t in (runs.next_due_at, planned) if t is not None]
         next_run = min(candidates) if candidates else None
-    args, kwargs = _decode(row)
+    args, kwargs = _decode(row, accept)
     return ScheduleInfo(
         name=row.name,
         task=row.task,
@@ -634,4 +657,6 @@ def _info(row: StoredSchedule, runs: ScheduleRuns | None) -> ScheduleInfo:
         created_at=row.created_at,
         updated_at=row.updated_at,
         disabled_at=row.disabled_at,
+        broken_at=row.broken_at,
+        broken_reason=row.broken_reason,
     )

@@ -10,8 +10,22 @@ Failure rules:
 
 - A claim moves rows to ``dispatched`` before anything is published, so a
   crash after the claim leaves them for the reconciler, never lost.
-- A publish failure releases the batch back to ``pending`` (fenced); if even
-  that fails, the rows stay ``dispatched`` and the reconciler requeues them.
+- A job whose own message cannot be published (unroutable, unencodable, its
+  queue refused) fails alone: ``attempt + 1`` with the reason, ``dead`` past
+  ``max_attempts``. The rest of its batch goes out.
+- A broker outage releases the unsent jobs back to ``pending`` (fenced) and
+  backs the loop off; if even that write fails, the rows stay ``dispatched``
+  and the reconciler requeues them.
+- The lease is checked before every publish chunk: once it is gone, the
+  unsent jobs are left ``dispatched`` untouched (a stale leader writes
+  nothing) for the next leader's reconciler.
+- Each duty of a pass (stage, pop, plan, sweep, reconcile, prune) fails on
+  its own: any exception is logged with its traceback and counted, the
+  other duties still run, and the loop backs off. :meth:`Engine.step`
+  never raises.
+- Store time is the last time read from the store plus the monotonic time
+  since, never the local wall clock: a wall-clock step on the beat host
+  cannot make a job look due or expired early.
 - A stale epoch (another leader took over) makes the engine step down and
   keep competing; it never exits the process.
 - Redis (staging) being down only slows things: the sweep claims straight
@@ -35,7 +49,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_sched.errors import (
     CelerySchedError,
@@ -57,12 +71,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: Longest a failing leader backs off before trying its dependencies again.
 MAX_BACKOFF = 5.0
 #: A leader pass longer than this many seconds is logged with its breakdown.
 SLOW_PASS = 0.5
 #: Seconds between pruning rounds (one bounded batch per table each).
 HOUSEKEEPING_INTERVAL = 30.0
+#: Longest time between rescuer passes, in seconds (a quarter of
+#: ``celery_sched_worker_timeout`` when that is shorter).
+RESCUE_INTERVAL = 15.0
+#: Heartbeat rows are pruned once not seen for this long (or ten worker
+#: timeouts, if longer): by then the rescuer has long acted on their jobs.
+WORKER_RETENTION = 86400.0
 #: While the sweep drains a backlog, staged ids are served every this many batches.
 STAGED_EVERY = 4
 #: Batches the sweep keeps being claimed, each on its own pooled connection,
@@ -94,6 +116,18 @@ class EngineStats:
     planned: int = 0
     pruned_jobs: int = 0
     pruned_ledger: int = 0
+    #: Running jobs of worker processes that stopped beating (the rescuer);
+    #: the requeued and dead among them are in ``requeued`` / ``dead`` too.
+    rescued: int = 0
+    #: Rescued jobs the idempotency ledger records as completed: succeeded.
+    rescued_succeeded: int = 0
+    pruned_workers: int = 0
+    #: Jobs whose own message could not be published (each counted an attempt).
+    rejected: int = 0
+    #: Jobs left dispatched because the lease ran out while publishing.
+    withheld: int = 0
+    #: Failed duties by name (``stage``, ``pop``, ``sweep``, ...): ``errors`` split up.
+    failures: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class Engine:
@@ -124,16 +158,19 @@ class Engine:
         self._clock = clock
         self._wall = wall
         self._epoch: int | None = None
-        # Store time minus local wall time. Measured so that local time plus
-        # the offset never runs ahead of the store's clock: an id popped as
-        # due is then due by Postgres too when it is claimed.
-        self._offset = dt.timedelta(0)
+        # (monotonic time, store time read just before it): store time is
+        # extrapolated from here with the monotonic clock, so it never runs
+        # ahead of the store's (an id popped as due is due by Postgres too
+        # when it is claimed), and a step of the wall clock cannot move it.
+        self._store_base: tuple[float, dt.datetime] | None = None
         self._staged_until: dt.datetime | None = None
         self._next_stage = 0.0
         self._next_sweep = 0.0
         self._next_reconcile = 0.0
         self._next_plan = 0.0
         self._next_housekeeping = 0.0
+        self._next_rescue = 0.0
+        self._rescue_interval = max(0.1, min(RESCUE_INTERVAL, settings.worker_timeout / 4))
         self._sync_due = False
         self._backoff = 0.0
         # Frequent small increments: each pass reads and stages only what
@@ -170,7 +207,19 @@ class Engine:
     # -- the loop -----------------------------------------------------------
 
     def step(self) -> float:
-        """Do one pass; return the seconds to sleep before the next one."""
+        """Do one pass; return the seconds to sleep before the next one.
+
+        Never raises (but ``KeyboardInterrupt`` / ``SystemExit``): whatever
+        a pass throws is logged with its traceback, counted, and backed off.
+        """
+        try:
+            return self._step()
+        except Exception as exc:
+            # Outside any one duty (a bug, a bad row read by the loop itself):
+            # the loop must outlive it, or every beat in turn would exit.
+            return self._failed("pass", exc)
+
+    def _step(self) -> float:
         lease = self.elector.current()
         if lease is None:
             if self._epoch is not None:
@@ -180,26 +229,50 @@ class Engine:
             self._elected(lease.epoch)
         epoch = lease.epoch
         try:
-            delay = self._lead(epoch)
+            return self._lead(epoch)
         except StaleEpoch:
             self._step_down(f"epoch {epoch} is stale: another leader took over")
             self.elector.release()
             return 0.0
-        except CelerySchedError as exc:
-            # Postgres or the broker is down. Keep the lease (the renewal
-            # thread decides that) and retry with a bounded backoff; nothing
+
+    def _failed(self, duty: str, exc: BaseException) -> float:
+        """Log and count a failed duty; grow the backoff and return it."""
+        self.stats.errors += 1
+        self.stats.failures[duty] = self.stats.failures.get(duty, 0) + 1
+        self._backoff = min(MAX_BACKOFF, max(0.25, self._backoff * 2))
+        if isinstance(exc, CelerySchedError):
+            # Postgres, Redis or the broker is down: expected, no traceback.
+            # Keep the lease (the renewal thread decides that); nothing
             # claimed is lost because claims precede publishing.
-            self.stats.errors += 1
-            self._backoff = min(MAX_BACKOFF, max(0.25, self._backoff * 2))
             logger.warning(
-                "leader pass failed (%s: %s); retrying in %.2fs",
+                "shard %d: %s failed (%s: %s); retrying in %.2fs",
+                self.shard,
+                duty,
                 type(exc).__name__,
                 exc,
                 self._backoff,
             )
-            return self._backoff
-        self._backoff = 0.0
-        return delay
+        else:
+            logger.error(
+                "shard %d: %s failed unexpectedly; retrying in %.2fs",
+                self.shard,
+                duty,
+                self._backoff,
+                exc_info=exc,
+            )
+        return self._backoff
+
+    def _duty(self, name: str, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None]:
+        """Run one duty of a pass: ``(True, result)``, or ``(False, None)``
+        after logging and counting what it raised. A stale epoch is not a
+        failure of the duty: it ends the pass (the engine steps down)."""
+        try:
+            return True, fn(*args)
+        except StaleEpoch:
+            raise
+        except Exception as exc:
+            self._failed(name, exc)
+            return False, None
 
     def _elected(self, epoch: int) -> None:
         self._epoch = epoch
@@ -220,38 +293,64 @@ class Engine:
     def _lead(self, epoch: int) -> float:
         now = self._clock()
         timings: list[tuple[str, float]] = []
+        more = False
+        clean = True
+        broker_down = False
         if now >= self._next_stage:
-            self._stage()
-            self._next_stage = now + self._stage_interval
+            ok, _ = self._duty("stage", self._stage)
+            if ok:
+                self._next_stage = now + self._stage_interval
+            clean = clean and ok
             timings.append(("stage", self._clock()))
-        more = self._pop_and_publish(epoch)
+        ok, popped = self._duty("pop", self._pop_and_publish, epoch)
+        more = bool(popped)
+        clean = clean and ok
+        broker_down = not ok
         timings.append(("pop", self._clock()))
         if self.planner is not None and now >= self._next_plan:
-            planning = self._plan(self.planner)
+            ok, planning = self._duty("plan", self._plan, self.planner)
             # A pass cut short by its budget goes on right after dispatching.
             self._next_plan = now if planning else now + min(self.settings.max_tick, 1.0)
-            more = more or planning
+            more = more or bool(planning)
+            clean = clean and ok
             timings.append(("plan", self._clock()))
-        if now >= self._next_sweep:
-            swept = self._sweep(epoch)
-            more = more or swept >= self.settings.batch_size
+        if now >= self._next_sweep and not broker_down:
+            # (After a failed publish the sweep would only fail the same way.)
+            ok, swept = self._duty("sweep", self._sweep, epoch)
+            more = more or (swept or 0) >= self.settings.batch_size
             self._next_sweep = now + self.settings.sweep_interval
+            clean = clean and ok
             timings.append(("sweep", self._clock()))
+        # Whatever happened to dispatching, the reconciler and pruning run
+        # on their own schedules: a job the broker lost is requeued even
+        # while every publish fails.
         if now >= self._next_reconcile:
-            self._reconcile(epoch)
+            ok, _ = self._duty("reconcile", self._reconcile, epoch)
             self._next_reconcile = now + self.settings.reconcile_interval
+            clean = clean and ok
             timings.append(("reconcile", self._clock()))
+        if now >= self._next_rescue:
+            ok, _ = self._duty("rescue", self._rescue, epoch)
+            self._next_rescue = now + self._rescue_interval
+            clean = clean and ok
+            timings.append(("rescue", self._clock()))
         if now >= self._next_housekeeping:
-            self._housekeeping()
+            ok, _ = self._duty("prune", self._housekeeping)
             self._next_housekeeping = now + HOUSEKEEPING_INTERVAL
+            clean = clean and ok
             timings.append(("prune", self._clock()))
-        if timings[-1][1] - now > SLOW_PASS:
+        if timings and timings[-1][1] - now > SLOW_PASS:
             # A slow pass delays every job due meanwhile; say where it went.
             parts, start = [], now
             for name, at in timings:
                 parts.append(f"{name} {at - start:.3f}s")
                 start = at
             logger.warning("slow leader pass: %s", ", ".join(parts))
+        if not clean:
+            # Back off (the caller sleeps this long) instead of hammering a
+            # dependency that is down, or a row that fails every time.
+            return self._backoff
+        self._backoff = 0.0
         if more:
             return 0.0
         return self._sleep_time()
@@ -259,19 +358,23 @@ class Engine:
     # -- parts --------------------------------------------------------------
 
     def store_now(self) -> dt.datetime:
-        """Best estimate of the store's clock that never runs ahead of it."""
-        return self._wall() + self._offset
+        """Best estimate of the store's clock that never runs ahead of it:
+        the last time read from the store plus the monotonic time since."""
+        if self._store_base is None:
+            return self._measure_store_time()
+        at, store_time = self._store_base
+        return store_time + dt.timedelta(seconds=max(0.0, self._clock() - at))
 
-    def _measure_offset(self) -> dt.datetime:
-        store_now = self.store.now()
-        # Taken after the reply: local time plus offset is then at most the
-        # store's time, by the round trip.
-        self._offset = store_now - self._wall()
-        return store_now
+    def _measure_store_time(self) -> dt.datetime:
+        store_time = self.store.now()
+        # Taken after the reply: the extrapolation then trails the store's
+        # clock by the round trip, never leads it.
+        self._store_base = (self._clock(), store_time)
+        return store_time
 
     def _stage(self) -> None:
         """Copy jobs due within the window into Redis, incrementally."""
-        store_now = self._measure_offset()
+        store_now = self._measure_store_time()
         horizon = store_now + dt.timedelta(seconds=self.settings.staging_window)
         limit = max(self.settings.batch_size * 50, 10_000)
         # Only the future is staged: anything already due belongs to the
@@ -411,33 +514,76 @@ class Engine:
         # jobs back (or, if that fails too, leave them to the reconciler).
         try:
             jobs = ahead.result()
-        except CelerySchedError:
+        except Exception:
             return
-        if jobs:
+        if jobs and self._holds(epoch):
             self._settle("release", [job.id for job in jobs], epoch)
+
+    def _holds(self, epoch: int) -> bool:
+        """Whether the lease of ``epoch`` is still locally valid (no I/O)."""
+        lease = self.elector.current()
+        return lease is not None and lease.epoch == epoch
 
     def _publish(self, jobs: Sequence[Job], epoch: int) -> None:
         if not jobs:
             return
         self.stats.claims += 1
-        try:
-            result = self.dispatcher.publish(jobs, epoch=epoch, now=self.store_now())
-        except CelerySchedError as exc:
-            # The dispatcher reports failures per job; this is the belt to
-            # those braces. Which jobs went out is unknown, so all go back.
-            logger.warning("publish raised %s; releasing the batch", exc)
-            self._settle("release", [job.id for job in jobs], epoch)
-            raise
+        # A leader paused between claim and publish for longer than its
+        # lease must not publish: a successor may have requeued and sent
+        # these jobs already. Checked before every chunk.
+        result = self.dispatcher.publish(
+            jobs, epoch=epoch, now=self.store_now(), may_publish=lambda: self._holds(epoch)
+        )
+        # (Should publish itself raise, which jobs went out is unknown: they
+        # stay dispatched, and the reconciler requeues them with an attempt
+        # counted, so a batch that always breaks the dispatcher ends dead
+        # instead of being claimed again at once, forever.)
         self.stats.published += len(result.sent)
+        if result.withheld:
+            self.stats.withheld += len(result.withheld)
+            logger.warning(
+                "shard %d: the lease of epoch %d ran out while publishing; %d jobs left "
+                "dispatched for the next leader's reconciler",
+                self.shard,
+                epoch,
+                len(result.withheld),
+            )
+        if not self._holds(epoch):
+            # A stale leader writes nothing more: the rows stay dispatched.
+            return
         if result.expired:
             self._settle("expire", result.expired, epoch)
+        if result.rejected:
+            self._fail(result.rejected, epoch)
         if result.failed:
             logger.warning("%d jobs failed to publish; releasing them", len(result.failed))
             self._settle("release", result.failed, epoch)
-            if not result.sent:
-                # Nothing got through: the broker is down. Back off (step()
-                # does) instead of claiming the same jobs again at once.
-                raise PublishError(f"broker unavailable: {len(result.failed)} jobs not published")
+            # The broker is down: back off (step() does) instead of claiming
+            # the same jobs again at once.
+            raise PublishError(f"broker unavailable: {len(result.failed)} jobs not published")
+
+    def _fail(self, rejected: dict[uuid.UUID, str], epoch: int) -> None:
+        """Count a failed publish against each job (dead past max_attempts)."""
+        try:
+            result = self.store.fail_dispatch(list(rejected.items()), epoch=epoch)
+        except StoreError as exc:
+            logger.warning(
+                "could not record %d failed publishes (%s); the reconciler will requeue them",
+                len(rejected),
+                exc,
+            )
+            return
+        self.stats.rejected += result.requeued + result.dead
+        self.stats.dead += result.dead
+        logger.warning(
+            "shard %d: %d jobs could not be published (%d requeued with an attempt counted, "
+            "%d dead); first: %s",
+            self.shard,
+            len(rejected),
+            result.requeued,
+            result.dead,
+            next(iter(rejected.values())),
+        )
 
     def _settle(self, action: str, job_ids: Sequence[uuid.UUID], epoch: int) -> None:
         """Finish a transition after publishing; on failure the reconciler will."""
@@ -474,6 +620,28 @@ class Engine:
                 result.timed_out,
             )
 
+    def _rescue(self, epoch: int) -> None:
+        """Requeue (or, by the ledger, finish) running jobs of dead worker processes."""
+        result = self.store.rescue(
+            shard=self.shard,
+            epoch=epoch,
+            limit=self.settings.batch_size * 10,
+            worker_timeout=self.settings.worker_timeout,
+        )
+        self.stats.requeued += result.requeued
+        self.stats.dead += result.dead
+        self.stats.rescued += result.rescued
+        self.stats.rescued_succeeded += result.succeeded
+        if result.rescued:
+            logger.warning(
+                "rescuer: %d running jobs of stopped workers: requeued %d, dead %d, "
+                "succeeded by the ledger %d",
+                result.rescued,
+                result.requeued,
+                result.dead,
+                result.succeeded,
+            )
+
     def _housekeeping(self) -> None:
         """Prune finished jobs and completed ledger entries past their retention.
 
@@ -497,6 +665,9 @@ class Engine:
                     batch=settings.prune_batch,
                     max_batches=1,
                 )
+            self.stats.pruned_workers += self.store.prune_workers(
+                older_than=max(WORKER_RETENTION, 10 * settings.worker_timeout)
+            )
         except CelerySchedError as exc:
             logger.warning("shard %d: pruning failed, will try again: %s", self.shard, exc)
 
@@ -514,6 +685,6 @@ class Engine:
             next_due = self.staging.next_due(self.shard)
         except StagingUnavailable:
             next_due = None
-        if next_due is not None:
+        if next_due is not None and self._store_base is not None:
             deadlines.append((next_due - self.store_now()).total_seconds())
         return max(0.0, min(deadlines))

@@ -94,6 +94,15 @@ class DuplicateJob(CelerySchedError):
         self.key = key
 
 
+class UndecodableBody(CelerySchedError, ValueError):
+    """A stored task body cannot be decoded into arguments."""
+
+
+class UntrustedContent(UndecodableBody):
+    """A stored task body's content type is not one the app accepts (``accept_content``);
+    it was not deserialized."""
+
+
 # -- runtime -----------------------------------------------------------------
 
 

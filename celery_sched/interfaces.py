@@ -13,7 +13,7 @@ import abc
 import dataclasses
 import datetime as dt
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -171,7 +171,33 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
-        """dispatched -> expired (fenced), with ``reason`` as ``last_error``."""
+        """dispatched -> expired (fenced), with ``reason`` as ``last_error``.
+
+        Only jobs whose ``expires_at`` has passed by the store's clock move:
+        a caller whose clock ran ahead leaves the others dispatched (the
+        reconciler sends them again)."""
+
+    @abc.abstractmethod
+    def fail_dispatch(
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> ReconcileResult:
+        """Count a failed publish against each job: ``(id, why)`` pairs.
+
+        For a job whose own message could not be published (unroutable,
+        unencodable, refused by the broker for this message or its queue
+        only). One statement, fenced like :meth:`release`: dispatched jobs
+        claimed by ``epoch`` go back to pending with ``attempt + 1`` and
+        ``last_error`` saying why, or become dead (``finished_at`` set) once
+        ``attempt + 1`` reaches ``max_attempts``, as the reconciler decides.
+        Returns how many were requeued and how many died (``timed_out`` 0).
+        """
+
+    @abc.abstractmethod
+    def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
+        """Unfinished jobs (pending, dispatched, running, retrying) in shards
+        ``>= from_shard``: per shard, the count per status (shards and
+        statuses with none are omitted). Read-only; reads only the partial
+        indexes of those statuses, so it is cheap on a large table."""
 
     @abc.abstractmethod
     def reconcile(
@@ -183,11 +209,40 @@ class JobStore(abc.ABC):
         dead with the reason. Fenced like a claim (raises ``StaleEpoch``).
         """
 
+    @abc.abstractmethod
+    def rescue(
+        self, *, shard: int, epoch: int, limit: int, worker_timeout: float
+    ) -> ReconcileResult:
+        """Rescue running jobs whose worker process stopped beating.
+
+        A ``running`` job of ``shard`` started more than ``worker_timeout``
+        seconds ago is rescued when its process, ``(worker, worker_pid)``
+        (every process of host ``worker`` if ``worker_pid`` is NULL), has a
+        heartbeat row and none of those rows was seen within
+        ``worker_timeout`` seconds by a process started before the job (a
+        later start reuses the pid). Jobs of hosts with no heartbeat row at
+        all (workers that do not beat) are left alone. A rescued job whose
+        ledger entry (key ``coalesce(key, id::text)``) is completed for this
+        job id becomes ``succeeded``; any other is requeued: pending with
+        ``attempt + 1``, or dead past ``max_attempts``, ``last_error`` naming
+        the host, pid and last heartbeat. One statement, oldest start first,
+        at most ``limit`` rows; fenced like a claim (raises ``StaleEpoch``).
+        """
+
     # -- worker transitions -------------------------------------------------
 
     @abc.abstractmethod
-    def mark_running(self, job_id: uuid.UUID, *, worker: str) -> bool:
-        """dispatched/retrying/pending -> running (started_at, worker)."""
+    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+        """Record that worker process ``(hostname, pid)`` is alive: its
+        ``seen_at`` becomes now, and its ``started_at`` too when the row is
+        new or ``first`` (the process's first beat: a reused pid is a new
+        process)."""
+
+    @abc.abstractmethod
+    def mark_running(
+        self, job_id: uuid.UUID, *, worker: str, worker_pid: int | None = None
+    ) -> bool:
+        """dispatched/retrying/pending -> running (started_at, worker, worker_pid)."""
 
     @abc.abstractmethod
     def mark_finished(
@@ -206,7 +261,11 @@ class JobStore(abc.ABC):
         Equivalent to applying each update in order with :meth:`mark_running`
         (``running``), :meth:`mark_retrying` (``retrying``) or
         :meth:`mark_finished` (``succeeded`` / ``failed``): finished jobs are
-        never changed, and timestamps come from the store's clock.
+        never changed, and timestamps come from the store's clock. A
+        ``pending`` report (its worker process was lost) requeues a
+        dispatched or running job whose ``attempt`` is the report's (any, if
+        the report has none): pending with ``attempt + 1`` and the report's
+        error, or dead past ``max_attempts``.
         """
 
     # -- housekeeping -------------------------------------------------------
@@ -216,6 +275,10 @@ class JobStore(abc.ABC):
         """Delete finished jobs whose finished_at is more than ``older_than``
         seconds ago, ``batch`` rows per transaction, at most ``max_batches``
         transactions (None: until none is left); return the total."""
+
+    @abc.abstractmethod
+    def prune_workers(self, *, older_than: float) -> int:
+        """Delete heartbeat rows not seen for ``older_than`` seconds; return how many."""
 
     # -- periodic schedules -------------------------------------------------
     #
@@ -228,6 +291,11 @@ class JobStore(abc.ABC):
     # (``last_nominal_at = NULL``, ``next_nominal_at`` = its due time), so the
     # planner materializes them again from the current definition. Every
     # change also bumps ``version``.
+    #
+    # A schedule the planner cannot plan is marked *broken* (``broken_at``,
+    # ``broken_reason``) and left out of planning; a user's change to it
+    # (replace, resume, a changed static definition) clears the mark so the
+    # planner tries it again.
 
     @abc.abstractmethod
     def add_schedules(self, schedules: Sequence[NewSchedule]) -> int:
@@ -249,8 +317,9 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     def count_schedules(self) -> dict[str, int]:
-        """Number of schedules per state: ``active``, ``paused``, ``disabled``
-        (states with none are omitted)."""
+        """Number of schedules per state: ``active``, ``paused``, ``disabled``,
+        ``broken`` (states with none are omitted). Each schedule counts once,
+        in the first of ``disabled``, ``paused``, ``broken`` that applies."""
 
     @abc.abstractmethod
     def schedule_runs(self, schedule_ids: Sequence[int]) -> dict[int, ScheduleRuns]:
@@ -266,9 +335,9 @@ class JobStore(abc.ABC):
 
         With ``restart`` the cursor is reset (``last_nominal_at = NULL``,
         ``next_nominal_at = schedule.next_nominal_at``); otherwise it rolls
-        back as described above. ``source`` and ``paused`` are kept. Returns
-        the new row, or ``None`` (writing nothing) when the stored version is
-        not ``expected_version``. Raises
+        back as described above. ``source`` and ``paused`` are kept; the
+        broken mark is cleared. Returns the new row, or ``None`` (writing
+        nothing) when the stored version is not ``expected_version``. Raises
         :class:`~celery_sched.errors.UnknownSchedule` if there is no such schedule.
         """
 
@@ -276,9 +345,11 @@ class JobStore(abc.ABC):
     def set_schedule_paused(self, name: str, paused: bool) -> StoredSchedule:
         """Pause (withdrawing future occurrences, cursor rolled back) or resume.
 
-        Already in that state: nothing changes. Resuming leaves the cursor
-        where it was, so the planner treats the time paused as missed
-        (misfire policy). Raises :class:`~celery_sched.errors.UnknownSchedule`.
+        Already in that state: nothing changes, except that resuming always
+        clears the broken mark (so the planner tries the schedule again; a
+        pause keeps it). Resuming leaves the cursor where it was, so the
+        planner treats the time paused as missed (misfire policy). Raises
+        :class:`~celery_sched.errors.UnknownSchedule`.
         """
 
     @abc.abstractmethod
@@ -312,7 +383,8 @@ class JobStore(abc.ABC):
         disabled (``enabled = false``, ``disabled_at`` set, future
         occurrences withdrawn, history kept). Dynamic schedules are never
         touched, even when a static definition has their name (reported in
-        ``conflicts``). Pause state survives.
+        ``conflicts``). Pause state survives; a replaced schedule's broken
+        mark is cleared, an unchanged one's kept.
         """
 
     @abc.abstractmethod
@@ -325,10 +397,10 @@ class JobStore(abc.ABC):
         limit: int,
         after: tuple[dt.datetime, int] | None = None,
     ) -> list[StoredSchedule]:
-        """Enabled, unpaused schedules with ``next_nominal_at <= horizon`` and
-        ``id % shards == shard``, ordered by ``(next_nominal_at, id)``, only
-        those after ``after`` in that order (paging through one pass), at
-        most ``limit``. Read-only."""
+        """Enabled, unpaused, unbroken schedules with ``next_nominal_at <=
+        horizon`` and ``id % shards == shard``, ordered by ``(next_nominal_at,
+        id)``, only those after ``after`` in that order (paging through one
+        pass), at most ``limit``. Read-only."""
 
     @abc.abstractmethod
     def busy_schedules(self, schedule_ids: Sequence[int]) -> set[int]:
@@ -340,10 +412,22 @@ class JobStore(abc.ABC):
         """Apply planner advances in one transaction (see :class:`ScheduleAdvance`).
 
         Each advance applies only if its schedule still has the version the
-        planner read, is enabled and unpaused, and its cursor would not move
+        planner read, is enabled, unpaused and not broken, and its cursor would not move
         back (a slower planner that read the row earlier); the others are
         counted as ``stale`` and write nothing. Occurrence keys that exist
         are skipped, so racing planners never create one twice.
+        """
+
+    @abc.abstractmethod
+    def mark_schedule_broken(self, schedule_id: int, *, version: int, reason: str) -> bool:
+        """Set the schedule aside as broken (``broken_at = now()``, ``broken_reason
+        = reason``): the planner could not plan it.
+
+        Fenced like :meth:`commit_plans`: applies only if the schedule still
+        has ``version`` and is not broken already, so a user's concurrent
+        change (which may be the fix) wins. Does not bump the version. True if
+        it was marked. ``reason`` is stored as given: it must be text
+        PostgreSQL accepts (no NUL, no lone surrogate).
         """
 
 
@@ -428,23 +512,47 @@ class Staging(abc.ABC):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PublishResult:
-    """Outcome of one batch publish: every job id appears in exactly one list."""
+    """Outcome of one batch publish: every job id appears in exactly one field.
+
+    - ``sent``: published.
+    - ``failed``: not published because the broker is unavailable (connection
+      level, after retries); the job itself is fine.
+    - ``rejected``: job id -> why its own message (or its queue) could not be
+      published; retrying at once would fail the same way.
+    - ``expired``: expired at ``now``, not sent.
+    - ``withheld``: not attempted because ``may_publish`` said no (the
+      lease is gone): the caller must not touch them either.
+    """
 
     sent: list[uuid.UUID] = dataclasses.field(default_factory=list)
     failed: list[uuid.UUID] = dataclasses.field(default_factory=list)
     expired: list[uuid.UUID] = dataclasses.field(default_factory=list)
+    rejected: dict[uuid.UUID, str] = dataclasses.field(default_factory=dict)
+    withheld: list[uuid.UUID] = dataclasses.field(default_factory=list)
 
 
 class Dispatcher(abc.ABC):
     """Publishes claimed jobs as Celery protocol-2 messages (Kombu).
 
     Broker failures are retried with backoff inside; what still failed is
-    reported in :attr:`PublishResult.failed`, never raised mid-batch.
+    reported in the :class:`PublishResult`, never raised mid-batch.
     """
 
     @abc.abstractmethod
-    def publish(self, jobs: Sequence[Job], *, epoch: int, now: dt.datetime) -> PublishResult:
-        """Publish ``jobs``; jobs already expired at ``now`` are not sent."""
+    def publish(
+        self,
+        jobs: Sequence[Job],
+        *,
+        epoch: int,
+        now: dt.datetime,
+        may_publish: Callable[[], bool] | None = None,
+    ) -> PublishResult:
+        """Publish ``jobs``; jobs already expired at ``now`` are not sent.
+
+        ``may_publish`` is asked before every chunk goes to the broker (a
+        stale leader must not publish); once it answers ``False`` the jobs
+        not yet sent are reported ``withheld``.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -469,7 +577,14 @@ class Ledger(abc.ABC):
 
     @abc.abstractmethod
     def acquire(
-        self, key: str, *, owner: str, lease: float, job_id: uuid.UUID | None = None
+        self,
+        key: str,
+        *,
+        owner: str,
+        lease: float,
+        job_id: uuid.UUID | None = None,
+        attempt: int | None = None,
+        take_completed: bool = False,
     ) -> LedgerClaim:
         """Take ``key`` for ``owner`` unless it is completed or held under a live lease.
 
@@ -481,7 +596,29 @@ class Ledger(abc.ABC):
         expires. A key this very owner already holds (a retry after a lost
         reply) is ``ACQUIRED`` again. One round trip when the key is new or
         expired.
+
+        The delivery fence: when the job row ``job_id`` exists and
+        :func:`~celery_sched.models.delivery_fence` refuses this delivery
+        (the job is cancelled, dead, expired or succeeded, or its attempt is
+        newer than ``attempt``), nothing is taken and the answer is
+        ``FENCED`` with the reason; the row is read in the same statement.
+        A missing job row does not fence (the delivery runs).
+
+        ``take_completed``: a completed key whose recorded job id is set and
+        differs from ``job_id`` belongs to an earlier job that used the same
+        key; it is taken over as if new (``attempts`` 1, result cleared) and
+        ``ACQUIRED``. Used when the key is the job key, not an explicit
+        idempotency key.
         """
+
+    @abc.abstractmethod
+    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
+        """The reason :meth:`acquire`'s fence would refuse a delivery of
+        ``job_id`` at ``attempt``, or ``None`` (also when the job row is
+        missing). A read of one job row by primary key, tried once: an
+        unreachable backend raises
+        :class:`~celery_sched.errors.StoreUnavailable` at once (the caller
+        decides to run the delivery)."""
 
     @abc.abstractmethod
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
@@ -490,11 +627,21 @@ class Ledger(abc.ABC):
         missing from the answer was taken over or is gone). One statement."""
 
     @abc.abstractmethod
-    def complete(self, key: str, *, owner: str, result: str | None = None) -> bool:
+    def complete(
+        self,
+        key: str,
+        *,
+        owner: str,
+        result: str | None = None,
+        job_id: uuid.UUID | None = None,
+    ) -> bool:
         """Mark ``key`` completed by ``owner`` and record ``result`` (JSON text;
         ``None`` records nothing). False, changing nothing, if another owner
-        holds the key or it is gone. Repeating it for the same owner only
-        updates the result (``completed_at`` keeps its first value)."""
+        holds the key. A missing key (its take was lost, e.g. an
+        asynchronous commit forgotten by a database crash) is created
+        completed for ``owner`` with ``job_id``; the entry keeps the job id
+        it was taken for. Repeating it for the same owner only updates the
+        result (``completed_at`` keeps its first value). One statement."""
 
     @abc.abstractmethod
     def release(self, key: str, *, owner: str) -> bool:
@@ -502,15 +649,18 @@ class Ledger(abc.ABC):
         acquire it; a completed key stays completed. True if it was released."""
 
     @abc.abstractmethod
-    def transaction(self, key: str, *, owner: str) -> AbstractContextManager[Any]:
+    def transaction(
+        self, key: str, *, owner: str, job_id: uuid.UUID | None = None
+    ) -> AbstractContextManager[Any]:
         """A database transaction that completes ``key`` for ``owner`` when it commits.
 
         Yields the connection the caller's statements run on (a SQLAlchemy
         ``Connection`` for PostgreSQL). Leaving the block normally completes
         the key (no result recorded) and commits both together; an exception
-        rolls everything back and propagates. If ``owner`` no longer holds
-        the key at commit, everything is rolled back and
-        :class:`~celery_sched.errors.LedgerConflict` is raised.
+        rolls everything back and propagates. A missing key is re-taken and
+        completed for ``owner`` in the same transaction (as :meth:`complete`
+        does). Only if another owner holds the key at commit is everything
+        rolled back and :class:`~celery_sched.errors.LedgerConflict` raised.
         """
 
     @abc.abstractmethod

@@ -10,8 +10,13 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from celery_sched.errors import InvalidSchedule
-from celery_sched.timeutil import UTC, ensure_utc, get_zone, to_bucket
+from celery_sched.errors import (
+    ConfigurationError,
+    InvalidSchedule,
+    UndecodableBody,
+    UntrustedContent,
+)
+from celery_sched.timeutil import EPOCH, UTC, ensure_utc, get_zone, to_bucket
 
 
 class JobStatus(enum.StrEnum):
@@ -56,6 +61,76 @@ MESSAGE_OPTIONS = frozenset(
         "ignore_result",
     }
 )
+
+
+#: The first due time the store cannot hold: ``jobs.due_bucket`` is a 32-bit
+#: count of minutes since the Unix epoch, which ends early in 6053. Later
+#: due times are refused with ``InvalidTime``.
+DUE_LIMIT = EPOCH + dt.timedelta(minutes=2**31)
+
+#: The largest span, in seconds, of any duration a job or schedule may give
+#: (interval, expires, catch-up window, visibility timeout, max_runtime, time
+#: limits): 1000 years. Longer ones are no use, and would overflow the
+#: arithmetic the planner (datetime) or the reconciler (PostgreSQL intervals
+#: off ``now()``) does with them.
+MAX_SECONDS = 1000 * 365.25 * 86400
+
+#: The largest value of an ``integer`` column (``max_attempts``, ``max_catchup``).
+MAX_INT32 = 2**31 - 1
+
+#: The content types a stored body is decoded from when no Celery app says
+#: which it accepts: JSON only, never an executable format such as pickle.
+DEFAULT_ACCEPT: frozenset[str] = frozenset({"application/json"})
+
+
+def accepted_content_types(accept: Iterable[str] | None) -> frozenset[str]:
+    """Content types of a Celery ``accept_content`` list (serializer names
+    such as ``"json"`` or content types); raises ConfigurationError for a
+    serializer that is not installed."""
+    if accept is None:
+        return DEFAULT_ACCEPT
+    if isinstance(accept, str):
+        accept = [accept]
+    from kombu.exceptions import SerializerNotInstalled
+    from kombu.serialization import prepare_accept_content
+
+    try:
+        return frozenset(prepare_accept_content(list(accept)) or ())
+    except SerializerNotInstalled as exc:
+        raise ConfigurationError(f"accept_content names an unknown serializer: {exc}") from exc
+
+
+def decode_body(
+    body: bytes,
+    content_type: str,
+    content_encoding: str,
+    accept: frozenset[str],
+    what: str,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a stored protocol-2 body, decoded only if its
+    content type is in ``accept`` (content types, see
+    :func:`accepted_content_types`).
+
+    Raises :class:`~celery_sched.errors.UntrustedContent` naming the content
+    type when it is not accepted, before anything is deserialized, and
+    :class:`~celery_sched.errors.UndecodableBody` when the body is corrupt.
+    """
+    from kombu.exceptions import ContentDisallowed, DecodeError
+    from kombu.serialization import loads
+
+    if content_type not in accept:
+        # Checked here, not left to kombu: kombu trusts raw binary and text
+        # content whatever `accept` says.
+        raise UntrustedContent(
+            f"{what} is stored as {content_type!r}, which is not in the accepted content "
+            f"types ({', '.join(sorted(accept))}); add its serializer to the app's "
+            "accept_content to read it"
+        )
+    try:
+        args, kwargs, _embed = loads(body, content_type, content_encoding, accept=accept)
+        return tuple(args), dict(kwargs)
+    except (ContentDisallowed, DecodeError, TypeError, ValueError) as exc:
+        raise UndecodableBody(f"{what} cannot be decoded as {content_type!r}: {exc}") from exc
 
 
 def id_of_key(key: str) -> uuid.UUID | None:
@@ -235,21 +310,32 @@ class Job:
         )
         object.__setattr__(self, "status", JobStatus(self.status))
 
-    def decode(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Return ``(args, kwargs)`` decoded from the stored body."""
-        from kombu.serialization import loads
+    def decode(self, accept: Iterable[str] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Return ``(args, kwargs)`` decoded from the stored body.
 
-        args, kwargs, _embed = loads(
-            self.body, self.content_type, self.content_encoding, accept=None
+        ``accept`` lists the serializers (``"json"``, ``"pickle"``) or content
+        types that may be decoded, as Celery's ``accept_content`` does; by
+        default JSON only, since a job carries no app to ask. A body of any
+        other type raises :class:`~celery_sched.errors.UntrustedContent`
+        without being deserialized. ``Client.decode(job)`` passes the app's
+        ``accept_content``.
+        """
+        return decode_body(
+            self.body,
+            self.content_type,
+            self.content_encoding,
+            accepted_content_types(accept),
+            f"the body of job {self.key!r}",
         )
-        return tuple(args), dict(kwargs)
 
     @property
     def args(self) -> tuple[Any, ...]:
+        """The positional arguments, decoded as :meth:`decode` does by default."""
         return self.decode()[0]
 
     @property
     def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments, decoded as :meth:`decode` does by default."""
         return self.decode()[1]
 
 
@@ -386,27 +472,77 @@ class ReconcileResult:
     requeued: int = 0
     dead: int = 0
     timed_out: int = 0
+    #: Running jobs whose worker process stopped beating (the rescuer):
+    #: counted in ``requeued`` / ``dead`` too, except those in ``succeeded``.
+    rescued: int = 0
+    #: Rescued jobs that the idempotency ledger records as completed by
+    #: this very job: marked succeeded instead of requeued.
+    succeeded: int = 0
 
 
-#: Statuses a worker reports for a job it runs.
+#: Statuses a worker reports for a job it runs. ``pending`` is the report of
+#: a lost worker process (a prefork child that died mid-task): requeue it.
 WORKER_STATUSES = frozenset(
-    {JobStatus.RUNNING, JobStatus.RETRYING, JobStatus.SUCCEEDED, JobStatus.FAILED}
+    {
+        JobStatus.RUNNING,
+        JobStatus.RETRYING,
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.PENDING,
+    }
 )
+
+#: Longest error text a worker report keeps, in characters.
+REPORT_ERROR_LIMIT = 2000
+#: Longest worker host name a worker report keeps, in characters.
+REPORT_WORKER_LIMIT = 255
+
+
+def clean_text(value: str | None, limit: int) -> str | None:
+    """``value`` made storable as PostgreSQL text: NUL characters become
+    U+FFFD, lone surrogates (undecodable bytes of a file name, say) ``?``,
+    and at most ``limit`` characters are kept."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        value = str(value)
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    if not value.isascii():
+        # UTF-8 cannot encode a lone surrogate: "replace" gives "?" for each.
+        value = value.encode("utf-8", "replace").decode("utf-8")
+    return value[:limit]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerUpdate:
-    """One status change reported by a worker, applied later in a batch."""
+    """One status change reported by a worker, applied later in a batch.
+
+    Its text is cleaned on construction (:func:`clean_text`), so one odd
+    exception message can never make a batch of reports unwritable.
+    ``worker_pid`` is the process a ``running`` job runs in (the rescuer
+    matches it against that process's heartbeat). A ``pending`` report says
+    the process running the job was lost: the job is requeued, only while
+    its row is running or dispatched (at ``attempt``, when known).
+    """
 
     job_id: uuid.UUID
     status: JobStatus
     worker: str | None = None
     error: str | None = None
+    #: The attempt of the delivery that reports (its ``celery_sched_attempt``
+    #: header), ``None`` if unknown (not checked). A ``running`` report of an
+    #: attempt older than the row's is not applied: a stale delivery must not
+    #: move a requeued job.
+    attempt: int | None = None
+    worker_pid: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", JobStatus(self.status))
         if self.status not in WORKER_STATUSES:
             raise ValueError(f"a worker cannot report status {self.status.value!r}")
+        object.__setattr__(self, "worker", clean_text(self.worker, REPORT_WORKER_LIMIT))
+        object.__setattr__(self, "error", clean_text(self.error, REPORT_ERROR_LIMIT))
 
 
 # -- periodic schedules (the pure logic lives in celery_sched.schedules) ------
@@ -506,14 +642,23 @@ class ScheduleSpec:
             ) from None
         window = self.catchup_window
         if window is not None:
-            if type(window) is bool or not isinstance(window, (int, float)) or not window >= 0:
+            if (
+                type(window) is bool
+                or not isinstance(window, (int, float))
+                or not 0 <= window <= MAX_SECONDS
+            ):
                 raise InvalidSchedule(
-                    f"{what}: catchup_window must be a number of seconds >= 0, got {window!r}"
+                    f"{what}: catchup_window must be a number of seconds from 0 to "
+                    f"{MAX_SECONDS:.0f} (1000 years), got {window!r}"
                 )
             object.__setattr__(self, "catchup_window", float(window))
         count = self.max_catchup
-        if count is not None and (type(count) is not int or count < 0):
-            raise InvalidSchedule(f"{what}: max_catchup must be an integer >= 0, got {count!r}")
+        if count is not None and (type(count) is not int or not 0 <= count <= MAX_INT32):
+            raise InvalidSchedule(
+                f"{what}: max_catchup must be an integer from 0 to {MAX_INT32}, got {count!r}"
+            )
+        if isinstance(self.spec, Mapping):
+            _check_plannable(what, self.kind, self.spec)
         if not isinstance(self.args, tuple):
             if not isinstance(self.args, list):
                 raise InvalidSchedule(f"{what}: args must be a list or tuple")
@@ -521,6 +666,34 @@ class ScheduleSpec:
         for name in ("kwargs", "options"):
             if not isinstance(getattr(self, name), Mapping):
                 raise InvalidSchedule(f"{what}: {name} must be a mapping")
+
+
+def _check_plannable(what: str, kind: str, spec: Mapping[str, Any]) -> None:
+    """Refuse definition values the store cannot hold or the planner cannot
+    compute with (the definition's shape is checked by ``schedules.make_spec``)."""
+    if kind == "interval":
+        seconds = spec.get("seconds")
+        # Only the upper bound here (and NaN); make_spec refuses the rest.
+        if (
+            isinstance(seconds, (int, float))
+            and type(seconds) is not bool
+            and not seconds <= MAX_SECONDS
+        ):
+            raise InvalidSchedule(
+                f"{what}: interval must be a finite number of seconds, at most "
+                f"{MAX_SECONDS:.0f} (1000 years), got {seconds!r} seconds"
+            )
+    elif kind == "clocked":
+        at = spec.get("at")
+        try:
+            instant = dt.datetime.fromisoformat(at) if isinstance(at, str) else None
+        except ValueError:
+            instant = None  # make_spec names the problem
+        if instant is not None and instant.utcoffset() is not None and instant >= DUE_LIMIT:
+            raise InvalidSchedule(
+                f"{what}: clocked time {at} is not before {DUE_LIMIT.isoformat()}, "
+                "the last due time the store can hold"
+            )
 
 
 # -- periodic schedules: store rows and the public ScheduleInfo ----------------
@@ -570,6 +743,14 @@ class NewSchedule:
             raise ValueError("schedule name must not be empty")
         if self.source not in ("static", "dynamic"):
             raise ValueError(f"schedule source must be 'static' or 'dynamic', got {self.source!r}")
+        # The schedules table's CHECK constraints refuse anything else; the
+        # memory store must refuse it as well, and before any write.
+        if self.misfire is not None and self.misfire not in set(MisfirePolicy):
+            raise ValueError(
+                f"schedule misfire policy {self.misfire!r} is not one of skip, once, all"
+            )
+        if self.overlap not in set(OverlapPolicy):
+            raise ValueError(f"schedule overlap policy {self.overlap!r} is not one of allow, skip")
 
     def timing(self) -> tuple[Any, ...]:
         """The fields that decide *when* it fires; a change restarts it from now."""
@@ -728,8 +909,10 @@ class ScheduleInfo:
 
     ``next_run_at`` is the due time of its next pending occurrence, or the
     next instant the planner will materialize; ``None`` when it is paused,
-    disabled or will never fire again. ``last_run_at`` / ``last_status`` are
-    the latest occurrence due so far and its job status.
+    disabled, broken or will never fire again. ``last_run_at`` /
+    ``last_status`` are the latest occurrence due so far and its job status.
+    ``broken_at`` / ``broken_reason``: when and why the planner set it aside
+    (until it is updated or resumed).
     """
 
     name: str
@@ -754,20 +937,33 @@ class ScheduleInfo:
     created_at: dt.datetime | None = None
     updated_at: dt.datetime | None = None
     disabled_at: dt.datetime | None = None
+    broken_at: dt.datetime | None = None
+    broken_reason: str | None = None
 
     def __post_init__(self) -> None:
-        _check_aware(self, "next_run_at", "last_run_at", "created_at", "updated_at", "disabled_at")
+        _check_aware(
+            self,
+            "next_run_at",
+            "last_run_at",
+            "created_at",
+            "updated_at",
+            "disabled_at",
+            "broken_at",
+        )
         if self.last_status is not None:
             object.__setattr__(self, "last_status", JobStatus(self.last_status))
 
     @property
     def state(self) -> str:
-        """``disabled`` (gone from the code), ``paused``, ``finished`` (never
+        """``disabled`` (gone from the code), ``paused``, ``broken`` (the
+        planner could not plan it: ``broken_reason``), ``finished`` (never
         fires again) or ``active``."""
         if not self.enabled:
             return "disabled"
         if self.paused:
             return "paused"
+        if self.broken_at is not None:
+            return "broken"
         if self.next_run_at is None:
             return "finished"
         return "active"
@@ -789,6 +985,30 @@ class ClaimOutcome(enum.StrEnum):
     ACQUIRED = "acquired"  # run the task (a new key, or taken over from a dead holder)
     COMPLETED = "completed"  # do not run: return the recorded result
     HELD = "held"  # do not run now: another live worker holds the key
+    FENCED = "fenced"  # never run this delivery: its job moved on (see delivery_fence)
+
+
+#: Job statuses whose deliveries a worker does not run: the job was
+#: cancelled, given up on, expired, or already succeeded.
+FENCED_STATUSES = frozenset(
+    {JobStatus.CANCELLED, JobStatus.DEAD, JobStatus.EXPIRED, JobStatus.SUCCEEDED}
+)
+
+
+def delivery_fence(status: JobStatus | str, job_attempt: int, attempt: int | None) -> str | None:
+    """Why a delivery of ``attempt`` must not run, given its job row's
+    ``status`` and ``job_attempt``; ``None`` if it may run.
+
+    The one rule of the worker-side fence; the PostgreSQL ledger's acquire
+    statement applies the same rule in SQL (the contract suite checks both).
+    ``attempt`` ``None`` (a message without the header) is not compared.
+    """
+    status = JobStatus(status)
+    if status in FENCED_STATUSES:
+        return f"the job is {status.value}"
+    if attempt is not None and job_attempt > attempt:
+        return f"attempt {attempt} is older than the job's attempt {job_attempt}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -799,7 +1019,8 @@ class LedgerClaim:
     included (above 1: taken over from a holder whose lease expired).
     ``holder`` and ``retry_in`` (seconds until the holder's lease expires, by
     the store's clock) describe a ``HELD`` key; ``result`` (decoded JSON,
-    meaningful when ``result_recorded``) and ``completed_at`` a ``COMPLETED`` one.
+    meaningful when ``result_recorded``) and ``completed_at`` a ``COMPLETED`` one;
+    ``reason`` (see :func:`delivery_fence`) a ``FENCED`` delivery.
     """
 
     outcome: ClaimOutcome
@@ -809,6 +1030,7 @@ class LedgerClaim:
     result: Any = None
     result_recorded: bool = False
     completed_at: dt.datetime | None = None
+    reason: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

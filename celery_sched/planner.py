@@ -21,6 +21,12 @@ The next occurrence is always computed from the previous *nominal* instant
 Overlap ``skip`` schedules are planned one occurrence at a time: the next
 one is materialized only once the previous one finished; if the previous is
 still unfinished when the next instant arrives, that instant is skipped.
+
+A schedule whose stored row cannot be planned (a definition that no longer
+evaluates, an ``expires`` past the latest date, a corrupt spec, a kind this
+code does not know) fails alone: it is marked broken with the reason, the
+rest of the pass goes on, and later passes leave it out until a user changes
+or resumes it. Otherwise one row would fail every pass of every leader.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_sched import schedules
-from celery_sched.errors import InvalidJob, InvalidSchedule, UnknownTimezone
+from celery_sched.errors import CelerySchedError, InvalidJob, InvalidSchedule, UnknownTimezone
 from celery_sched.interfaces import JobStore
 from celery_sched.models import (
     EMPTY_OPTIONS,
@@ -58,6 +65,9 @@ logger = logging.getLogger(__name__)
 #: to the nearest: less than a second before could lie after the raw event.
 _JUST_BEFORE = dt.timedelta(seconds=1)
 _MIN_INSTANT = dt.datetime.min.replace(tzinfo=dt.UTC)
+#: A broken schedule's reason is shown in a table row; a whole traceback's
+#: worth of message belongs in the log.
+_REASON_LIMIT = 500
 
 
 # -- schedules as rows ------------------------------------------------------------
@@ -167,6 +177,7 @@ class PassResult:
     ``written`` holds ``(id, due_at, shard)`` of every occurrence inserted,
     for the engine to stage those its stager has already passed. ``more``
     is true when the pass stopped at its time budget with schedules left.
+    ``broken`` counts the schedules this pass marked broken.
     """
 
     schedules: int = 0
@@ -174,7 +185,7 @@ class PassResult:
     skipped: int = 0
     busy: int = 0
     stale: int = 0
-    parked: int = 0
+    broken: int = 0
     more: bool = False
 
 
@@ -188,7 +199,7 @@ class PlannerStats:
     skipped: int = 0
     busy: int = 0
     stale: int = 0
-    parked: int = 0
+    broken: int = 0
     syncs: int = 0
 
 
@@ -265,9 +276,11 @@ class Planner:
         horizon = now + dt.timedelta(seconds=settings.plan_horizon)
         deadline = None if budget is None else self._clock() + budget
         batch = settings.plan_batch_size
+        # Built here, outside the per-schedule guard: a builder that cannot be
+        # made fails the pass, it must not mark every schedule broken.
+        _ = self.builder
         after: tuple[dt.datetime, int] | None = None
-        totals = {"schedules": 0, "skipped": 0, "busy": 0, "stale": 0}
-        parked_before = self.stats.parked
+        totals = {"schedules": 0, "skipped": 0, "busy": 0, "stale": 0, "broken": 0}
         written: list[tuple[Any, dt.datetime, int]] = []
         more = False
         while True:
@@ -283,7 +296,11 @@ class Planner:
             busy = self.store.busy_schedules(guarded) if guarded else set()
             advances: list[ScheduleAdvance] = []
             for row in rows:
-                advance, skipped = self._advance(row, now, horizon, busy=row.id in busy)
+                try:
+                    advance, skipped = self._advance(row, now, horizon, busy=row.id in busy)
+                except Exception as exc:  # any error of one row stays that row's
+                    totals["broken"] += self._set_aside(row, exc)
+                    continue
                 totals["skipped"] += skipped
                 if advance is not None:
                     advances.append(advance)
@@ -297,11 +314,23 @@ class Planner:
             if deadline is not None and self._clock() >= deadline:
                 more = True
                 break
-        result = PassResult(
-            written=written, more=more, parked=self.stats.parked - parked_before, **totals
-        )
+        result = PassResult(written=written, more=more, **totals)
         self._count(result)
         return result
+
+    def _set_aside(self, row: StoredSchedule, exc: Exception) -> int:
+        """Mark ``row`` broken because planning it raised ``exc``; 1 if marked,
+        0 if a user changed it meanwhile (their version is planned next pass)."""
+        reason = broken_reason(exc)
+        # Our own errors name the problem; anything else may be a bug here.
+        logger.error(
+            "schedule %r cannot be planned and is set aside as broken until it is "
+            "changed or resumed: %s",
+            row.name,
+            reason,
+            exc_info=not isinstance(exc, CelerySchedError),
+        )
+        return int(self.store.mark_schedule_broken(row.id, version=row.version, reason=reason))
 
     def _advance(
         self, row: StoredSchedule, now: dt.datetime, horizon: dt.datetime, *, busy: bool
@@ -310,67 +339,54 @@ class Planner:
         occurrences it skipped."""
         assert row.next_nominal_at is not None
         s = self.settings
-        try:
-            spec = spec_of(row)
-            cursor = row.last_nominal_at
-            if cursor is None:
-                cursor = cursor_before(spec, row.next_nominal_at)
-            one_at_a_time = spec.overlap is OverlapPolicy.SKIP
-            if one_at_a_time and busy:
-                if row.next_nominal_at > now:
-                    return None, 0  # wait: the previous one may finish in time
-                # The previous occurrence is still unfinished at this one's
-                # time: overlap "skip" drops every instant up to now.
-                plan = schedules.plan(
-                    dataclasses.replace(spec, misfire=MisfirePolicy.SKIP),
-                    last_nominal=cursor,
-                    now=now,
-                    horizon=now,
-                    default_misfire=MisfirePolicy.SKIP,
-                    catchup_window=s.catchup_window,
-                    max_catchup=s.max_catchup,
-                    grace=s.misfire_grace,
-                    limit=s.plan_batch_size,
-                )
-                advance = ScheduleAdvance(
-                    schedule_id=row.id,
-                    version=row.version,
-                    last_nominal_at=plan.cursor,
-                    next_nominal_at=plan.next_nominal,
-                )
-                return advance, plan.skipped + len(plan.occurrences)
+        spec = spec_of(row)
+        cursor = row.last_nominal_at
+        if cursor is None:
+            cursor = cursor_before(spec, row.next_nominal_at)
+        one_at_a_time = spec.overlap is OverlapPolicy.SKIP
+        if one_at_a_time and busy:
+            if row.next_nominal_at > now:
+                return None, 0  # wait: the previous one may finish in time
+            # The previous occurrence is still unfinished at this one's
+            # time: overlap "skip" drops every instant up to now.
             plan = schedules.plan(
-                spec,
+                dataclasses.replace(spec, misfire=MisfirePolicy.SKIP),
                 last_nominal=cursor,
                 now=now,
-                horizon=horizon,
-                default_misfire=self._default_misfire,
+                horizon=now,
+                default_misfire=MisfirePolicy.SKIP,
                 catchup_window=s.catchup_window,
                 max_catchup=s.max_catchup,
                 grace=s.misfire_grace,
-                limit=1 if one_at_a_time else s.plan_batch_size,
+                limit=s.plan_batch_size,
             )
-            occurrences = plan.occurrences
-            last_nominal, next_nominal = plan.cursor, plan.next_nominal
-            if one_at_a_time and len(occurrences) > 1:
-                # One at a time: the rest stay ahead of the cursor and are
-                # planned once this one has finished.
-                occurrences = occurrences[:1]
-                last_nominal = occurrences[0]
-                next_nominal = schedules.next_after(spec, last_nominal)
-            jobs = [self._occurrence(row, nominal, now) for nominal in occurrences]
-        except (InvalidSchedule, UnknownTimezone) as exc:
-            # A stored definition that no longer evaluates: park it (no next
-            # instant) instead of failing every pass; an update revives it.
-            logger.error("schedule %r cannot be planned and is parked: %s", row.name, exc)
-            self.stats.parked += 1
             advance = ScheduleAdvance(
                 schedule_id=row.id,
                 version=row.version,
-                last_nominal_at=row.last_nominal_at,
-                next_nominal_at=None,
+                last_nominal_at=plan.cursor,
+                next_nominal_at=plan.next_nominal,
             )
-            return advance, 0
+            return advance, plan.skipped + len(plan.occurrences)
+        plan = schedules.plan(
+            spec,
+            last_nominal=cursor,
+            now=now,
+            horizon=horizon,
+            default_misfire=self._default_misfire,
+            catchup_window=s.catchup_window,
+            max_catchup=s.max_catchup,
+            grace=s.misfire_grace,
+            limit=1 if one_at_a_time else s.plan_batch_size,
+        )
+        occurrences = plan.occurrences
+        last_nominal, next_nominal = plan.cursor, plan.next_nominal
+        if one_at_a_time and len(occurrences) > 1:
+            # One at a time: the rest stay ahead of the cursor and are
+            # planned once this one has finished.
+            occurrences = occurrences[:1]
+            last_nominal = occurrences[0]
+            next_nominal = schedules.next_after(spec, last_nominal)
+        jobs = [self._occurrence(row, nominal, now) for nominal in occurrences]
         advance = ScheduleAdvance(
             schedule_id=row.id,
             version=row.version,
@@ -399,6 +415,17 @@ class Planner:
         stats.skipped += result.skipped
         stats.busy += result.busy
         stats.stale += result.stale
+        stats.broken += result.broken
+
+
+def broken_reason(exc: BaseException) -> str:
+    """The ``broken_reason`` of a schedule whose planning raised ``exc``: one
+    line of text PostgreSQL stores (no NUL, no lone surrogate), bounded."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > _REASON_LIMIT:
+        text = text[: _REASON_LIMIT - 3] + "..."
+    return text
 
 
 def occurrence_job(
@@ -423,10 +450,7 @@ def occurrence_job(
         for name, value in options.items()
         if name in MESSAGE_OPTIONS and value is not None
     }
-    expires = options.get("expires")
-    expires_at = (
-        None if expires is None else max(nominal, now) + dt.timedelta(seconds=float(expires))
-    )
+    expires_at = _expires_at(row, max(nominal, now))
     key = schedules.occurrence_key(row.name, nominal)
     return NewJob(
         id=job_id,
@@ -446,6 +470,33 @@ def occurrence_job(
         visibility_timeout=_seconds(options.get("visibility_timeout")),
         max_runtime=_seconds(options.get("max_runtime")),
     )
+
+
+def _expires_at(row: StoredSchedule, start: dt.datetime) -> dt.datetime | None:
+    """``start`` plus the schedule's ``expires`` option, or None without one.
+
+    Raises InvalidSchedule naming the schedule when that is not a number of
+    seconds or lands past the latest date a datetime holds (what validation
+    refuses now, but an older row may hold).
+    """
+    expires = row.options.get("expires")
+    if expires is None:
+        return None
+    try:
+        seconds = float(expires)
+        if not math.isfinite(seconds):
+            raise ValueError(seconds)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidSchedule(
+            f"schedule {row.name!r}: expires must be a finite number of seconds, got {expires!r}"
+        ) from exc
+    try:
+        return start + dt.timedelta(seconds=seconds)
+    except OverflowError as exc:
+        raise InvalidSchedule(
+            f"schedule {row.name!r}: expires {seconds:g} s after "
+            f"{start:%Y-%m-%dT%H:%M:%SZ} is past the latest date (year 9999)"
+        ) from exc
 
 
 def _seconds(value: Any) -> float | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import socket
 import urllib.parse
 from collections.abc import Mapping
@@ -62,6 +63,12 @@ class Settings:
     )
     max_tick: float = _field(1.0, "Longest the leader loop sleeps between checks, in seconds.")
     reconcile_interval: float = _field(5.0, "Seconds between reconciler passes in the leader.")
+    worker_timeout: float = _field(
+        180.0,
+        "Seconds a worker process may go without a heartbeat before the leader's rescuer "
+        "requeues its running jobs (marks succeeded those the idempotency ledger records "
+        "as completed).",
+    )
     # -- periodic schedules (the planner) --
     plan_horizon: float = _field(
         120.0,
@@ -100,6 +107,11 @@ class Settings:
         "Largest JSON-encoded task result the ledger records for duplicates; "
         "larger or non-JSON results are not recorded.",
     )
+    worker_fence: bool = _field(
+        True,
+        "Workers with tracking installed skip a delivery whose job is cancelled, dead, "
+        "expired or succeeded, or was requeued since (one job-row read per delivery).",
+    )
     pool_min_size: int = _field(1, "Minimum PostgreSQL connections kept in the pool.")
     pool_max_size: int = _field(
         8,
@@ -124,7 +136,13 @@ class Settings:
             raise ConfigurationError(
                 f"celery_sched_db_schema must be a plain identifier, got {self.db_schema!r}"
             )
-        for name in ("lease_ttl", "visibility_timeout", "staging_window", "max_tick"):
+        for name in (
+            "lease_ttl",
+            "visibility_timeout",
+            "staging_window",
+            "max_tick",
+            "worker_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"celery_sched_{name} must be positive")
         for name in ("batch_size", "max_attempts", "max_payload_bytes", "shards", "prune_batch"):
@@ -193,6 +211,20 @@ class Settings:
             raise ConfigurationError(f"unknown celery_sched settings: {sorted(unknown)}")
         return cls(**values)
 
+    def __repr__(self) -> str:
+        # Settings end up in tracebacks and debug logs: no URL shows a password.
+        fields = ", ".join(
+            f"{field.name}="
+            + repr(
+                sanitize_url(value)
+                if field.name.endswith("_url") and isinstance(value, str)
+                else value
+            )
+            for field in dataclasses.fields(self)
+            for value in (getattr(self, field.name),)
+        )
+        return f"{type(self).__name__}({fields})"
+
     # -- derived ------------------------------------------------------------
 
     def sqlalchemy_url(self) -> URL:
@@ -258,14 +290,38 @@ def _check_redis_url(url: str) -> None:
         raise InvalidURL(f"celery_sched_redis_url has a bad port: {sanitize_url(url)}") from exc
 
 
+#: A ``key=value`` parameter of a URL query or a libpq conninfo string.
+_PARAMETER = re.compile(r"(?P<key>[^\s?&;=#]+)=(?P<value>[^\s&;#]*)")
+
+#: Parameter names (case-insensitive substrings) whose values are secrets:
+#: libpq's ``password`` and ``sslpassword``, redis-py's ``password``, and the
+#: like of other drivers.
+_SECRET_NAMES = ("password", "passwd", "pwd", "passphrase", "secret", "token")
+
+
+def _mask_parameter(match: re.Match[str]) -> str:
+    key = urllib.parse.unquote_plus(match["key"]).lower()
+    if any(name in key for name in _SECRET_NAMES):
+        return f"{match['key']}=***"
+    return match.group()
+
+
 def sanitize_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``; safe to log."""
+    """``url`` with every password replaced by ``***``; safe to log.
+
+    Masks the password of the user part and the value of every
+    password-like parameter (``?password=``, ``sslpassword=``, ...), in the
+    query and wherever else ``key=value`` appears.
+    """
     try:
         parts = urllib.parse.urlsplit(url)
+        password = parts.password
     except ValueError:
         return "<unparsable url>"
-    if parts.password is None:
+    if password is not None:
+        netloc = parts.netloc.rsplit("@", 1)[-1]
+        user = parts.username or ""
+        url = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    if "=" not in url:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    user = parts.username or ""
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    return _PARAMETER.sub(_mask_parameter, url)

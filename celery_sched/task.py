@@ -8,11 +8,24 @@ idempotency ledger (:class:`~celery_sched.interfaces.Ledger`) first:
   decorator's ``idempotency_key`` derives from the task's arguments;
 - a new key is taken under a lease and the task runs; on success the key is
   completed with the result recorded (when it is JSON and small enough);
-- a completed key does not run again: the recorded result is returned;
+- a completed key does not run again: the recorded result is returned. The
+  rule: a delivery runs unless *its own job* completed under the key, or
+  its explicit ``idempotency_key`` completed. With the default key (the job
+  key) a completed entry recorded for another job id belongs to an earlier
+  job that used the same key (pruned since, so the key became free): the
+  new job takes the entry over and runs. With an explicit
+  ``idempotency_key`` any completed entry means "do not run";
+- a delivery whose job moved on is acknowledged without running (the
+  delivery fence, in the same acquire statement): the job is cancelled,
+  dead, expired or already succeeded, or it was requeued since this message
+  was sent (its ``celery_sched_attempt`` is older than the row's);
 - a key held under a live lease (another worker is running it) is retried
   later, after that lease would expire;
 - a key whose holder died (its lease expired) is taken over and run;
-- a failing execution releases the key, so that a retry can run.
+- a failing execution releases the key, so that a retry can run;
+- a key whose take was lost (the take commits asynchronously, so a database
+  crash can forget it) is re-created by the completion: only another
+  owner's hold makes the completion fail.
 
 The lease is ``celery_sched_ledger_lease`` seconds and a background thread
 in each worker process renews the leases it holds every lease/3 seconds, so
@@ -58,6 +71,7 @@ from celery_sched.errors import (
     InvalidJob,
     LedgerConflict,
 )
+from celery_sched.fence import request_attempt
 from celery_sched.models import ClaimOutcome, JobStatus
 
 if TYPE_CHECKING:
@@ -242,6 +256,7 @@ class _Execution:
     key: str
     owner: str
     ledger: Ledger
+    job_id: uuid.UUID | None = None
     completed: bool = False
 
 
@@ -325,9 +340,17 @@ class Task(celery.Task[..., Any]):
         runtime = runtime_for(self.app)
         key = self._key_for(request, args, kwargs)
         owner = runtime.owner()
+        job_id = _job_id(request)
         try:
             claim = runtime.ledger.acquire(
-                key, owner=owner, lease=runtime.lease, job_id=_job_id(request)
+                key,
+                owner=owner,
+                lease=runtime.lease,
+                job_id=job_id,
+                attempt=request_attempt(request),
+                # The job key is this job's own: a completion recorded for
+                # another job id is an earlier job's (see the module doc).
+                take_completed=self.idempotency_key is None and job_id is not None,
             )
         except CelerySchedError as exc:
             # Without the ledger nobody can tell whether this already ran:
@@ -341,6 +364,15 @@ class Task(celery.Task[..., Any]):
                 delay,
             )
             self._retry_later(request, exc, delay)
+        if claim.outcome is ClaimOutcome.FENCED:
+            # Acknowledged without a verdict: no status report moves the row
+            # (the running report of prerun carries this delivery's attempt,
+            # which the store refuses for a stale one; a finished row never
+            # moves).
+            logger.warning(
+                "task %s[%s]: not running this delivery: %s", self.name, request.id, claim.reason
+            )
+            raise Ignore(claim.reason)
         if claim.outcome is ClaimOutcome.COMPLETED:
             logger.info(
                 "task %s[%s]: idempotency key %r was already completed (at %s); not running it "
@@ -358,7 +390,7 @@ class Task(celery.Task[..., Any]):
             )
             logger.info("task %s[%s]: %s", self.name, request.id, conflict)
             self._retry_later(request, conflict, delay)
-        return self._run_acquired(runtime, request, key, owner, args, kwargs)
+        return self._run_acquired(runtime, request, key, owner, job_id, args, kwargs)
 
     def _run_acquired(
         self,
@@ -366,10 +398,11 @@ class Task(celery.Task[..., Any]):
         request: Any,
         key: str,
         owner: str,
+        job_id: uuid.UUID | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        execution = _Execution(key=key, owner=owner, ledger=runtime.ledger)
+        execution = _Execution(key=key, owner=owner, ledger=runtime.ledger, job_id=job_id)
         request.celery_sched_execution = execution
         until = None if self.max_runtime is None else time.monotonic() + self.max_runtime
         runtime.keeper.hold(key, owner, until=until)
@@ -394,7 +427,7 @@ class Task(celery.Task[..., Any]):
         if execution.completed and recorded is None:
             return result  # ledger_transaction already completed the key
         try:
-            done = runtime.ledger.complete(key, owner=owner, result=recorded)
+            done = runtime.ledger.complete(key, owner=owner, result=recorded, job_id=job_id)
         except CelerySchedError as exc:
             logger.error(
                 "task %s[%s]: could not record idempotency key %r as completed (%s); a "
@@ -584,7 +617,9 @@ class Task(celery.Task[..., Any]):
                 f"idempotency key {execution.key!r} was already completed by this execution's "
                 "first ledger_transaction(); use one per execution"
             )
-        with execution.ledger.transaction(execution.key, owner=execution.owner) as conn:
+        with execution.ledger.transaction(
+            execution.key, owner=execution.owner, job_id=execution.job_id
+        ) as conn:
             yield conn
         execution.completed = True
 

@@ -1,4 +1,4 @@
-"""Job status from workers, through Celery signals.
+"""Job status from workers, through Celery signals, and their heartbeats.
 
 ``install(app)`` (call it in the module that defines the Celery app, so worker
 processes run it) connects handlers that move a job to ``running`` when a
@@ -10,29 +10,46 @@ from requeueing work that a worker has taken.
 Status writes must not throttle workers, so handlers only enqueue: one
 background thread per worker process applies the queued reports in a single
 transaction every ``FLUSH_INTERVAL`` seconds (or as soon as ``FLUSH_SIZE``
-are waiting). Reports are never raised into the task. While PostgreSQL is
-unreachable they are kept (up to ``MAX_HELD``) and written once it is back,
-so an outage shorter than the visibility timeout makes the reconciler requeue
-nothing. A report that still cannot be written (the oldest beyond
-``MAX_HELD``, one the store refuses, or the last ones when the process exits)
-is logged and dropped: the worst outcome is a job that looks untaken and is
-requeued after its visibility timeout, which the idempotency ledger
-(``celery_sched.Task``) turns into no second execution.
+are waiting). Reports are never raised into the task, and their text is
+cleaned when they are made (:func:`celery_sched.models.clean_text`). While
+PostgreSQL is unreachable they are kept (up to ``MAX_HELD``) and written once
+it is back, so an outage shorter than the visibility timeout makes the
+reconciler requeue nothing. A batch the store refuses for another reason is
+written in halves until the one report it refuses is found and dropped; the
+thread survives anything a write raises, and :func:`writer_for` replaces a
+writer whose thread is gone.
+
+The same thread keeps the process's heartbeat (``workers`` row keyed by
+hostname and pid, every ``HEARTBEAT_INTERVAL`` seconds) once the process has
+started a job; ``running`` reports carry the pid. A report that is lost (the
+oldest beyond ``MAX_HELD``, the last ones when the process is killed, one
+the store refuses) leaves its job ``running`` with a process that no longer
+beats: the leader's rescuer requeues it after ``celery_sched_worker_timeout``
+(or marks it ``succeeded`` when the idempotency ledger records that the job
+completed), so the job runs again unless it was a ``celery_sched.Task`` that
+finished. When a prefork child dies mid-task, the worker's main process
+reports the lost job at once (``WorkerLostError``) and it is requeued
+without waiting for the heartbeat to go stale.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from billiard.exceptions import WorkerLostError
 from celery import signals
 
-from celery_sched.errors import CelerySchedError, StoreUnavailable
+from celery_sched.dispatch import HEADER_ATTEMPT
+from celery_sched.errors import SchemaMissing, StoreUnavailable
 from celery_sched.models import JobStatus, WorkerUpdate
 
 if TYPE_CHECKING:
@@ -61,6 +78,11 @@ def install(app: Any, store: JobStore | None = None) -> None:
         _installed.add(app)
     signals.task_prerun.connect(_on_prerun, weak=False)
     signals.task_postrun.connect(_on_postrun, weak=False)
+    # Workers skip deliveries whose job moved on (celery_sched.fence).
+    from celery_sched import fence
+
+    fence.install(app)
+    signals.task_failure.connect(_on_failure, weak=False)
     signals.worker_process_shutdown.connect(flush_all, weak=False)
     signals.worker_shutdown.connect(flush_all, weak=False)
     atexit.register(flush_all)
@@ -75,13 +97,19 @@ MAX_HELD = 20_000
 #: Pause before the next write once one failed (the store has already
 #: retried the write itself).
 RETRY_INTERVAL = 1.0
+#: Seconds between heartbeats of a worker process; well below the default
+#: ``celery_sched_worker_timeout`` (180 s) so that a few lost beats (a
+#: database blip) never make a live process look dead.
+HEARTBEAT_INTERVAL = 5.0
 
 
 class StatusWriter:
-    """Batches workers' status reports into one store call per flush.
+    """Batches workers' status reports into one store call per flush, and
+    keeps the process's heartbeat.
 
     Owned by one process: after a fork the child builds its own (the thread
-    does not survive a fork).
+    does not survive a fork). ``pending`` / ``hostnames``: what a writer
+    whose thread died hands over to its replacement.
     """
 
     def __init__(
@@ -91,65 +119,158 @@ class StatusWriter:
         interval: float = FLUSH_INTERVAL,
         retry_interval: float = RETRY_INTERVAL,
         max_held: int = MAX_HELD,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        pending: Iterable[WorkerUpdate] = (),
+        hostnames: dict[str, bool] | None = None,
     ) -> None:
         self.store = store
         self.pid = os.getpid()
         self._interval = interval
         self._retry_interval = retry_interval
         self._max_held = max_held
-        self._pending: list[WorkerUpdate] = []
+        self._heartbeat_interval = heartbeat_interval
+        self._pending: list[WorkerUpdate] = list(pending)
+        # Host names this process ran jobs under -> whether a beat of this
+        # process has reached the store (its first beat resets started_at).
+        self._hostnames: dict[str, bool] = dict(hostnames or {})
+        self._next_beat = 0.0
+        self._beat_failing = False
         self._cond = threading.Condition()
         self._closed = False
         self._failing = False
         self._thread = threading.Thread(target=self._run, name="celery_sched-status", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is running (it ends only when closed)."""
+        return self._thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def handover(self) -> tuple[list[WorkerUpdate], dict[str, bool]]:
+        """Take what a replacement writer needs: the unwritten reports and the hosts."""
+        with self._cond:
+            pending, self._pending = self._pending, []
+            return pending, dict(self._hostnames)
+
     def report(self, update: WorkerUpdate) -> None:
         with self._cond:
             self._pending.append(update)
+            if (
+                update.status == JobStatus.RUNNING
+                and update.worker
+                and update.worker_pid == self.pid
+                and update.worker not in self._hostnames
+            ):
+                # A job started here: the process beats from now on, and
+                # before this report is written.
+                self._hostnames[update.worker] = False
+                self._next_beat = 0.0
+                self._cond.notify()
             # While the store is unavailable the thread waits out its retry
             # interval; a full batch does not cut that short.
-            if len(self._pending) >= FLUSH_SIZE and not self._failing:
+            elif len(self._pending) >= FLUSH_SIZE and not self._failing:
                 self._cond.notify()
 
     def flush(self, *, final: bool = False) -> bool:
         """Write everything reported so far (called by the thread and at exit).
 
-        Returns False when the store was unavailable: the batch is then kept,
-        ahead of newer reports, for the next flush (unless ``final``).
+        Returns False when the store was unavailable: the reports not written
+        are then kept, ahead of newer reports, for the next flush (unless
+        ``final``). A report the store refuses is logged and dropped alone.
         """
         with self._cond:
             batch, self._pending = self._pending, []
         if not batch:
             return True
-        try:
-            self.store.apply_worker_updates(batch)
-        except StoreUnavailable as exc:
-            if final:
-                logger.warning("could not record %d job status reports: %s", len(batch), exc)
+        chunks = collections.deque([batch])
+        while chunks:
+            chunk = chunks.popleft()
+            try:
+                self.store.apply_worker_updates(chunk)
+            except StoreUnavailable as exc:
+                unwritten = [update for part in (chunk, *chunks) for update in part]
+                if final:
+                    logger.warning(
+                        "could not record %d job status reports: %s", len(unwritten), exc
+                    )
+                else:
+                    self._hold(unwritten, exc)
                 return False
-            with self._cond:
-                held = batch + self._pending
-                dropped = len(held) - self._max_held
-                if dropped > 0:
-                    del held[:dropped]
-                self._pending = held
-            logger.warning(
-                "could not record %d job status reports, keeping them for the next try: %s",
-                len(batch),
-                exc,
-            )
-            if dropped > 0:
-                logger.error(
-                    "dropped the %d oldest job status reports (more than %d waiting); "
-                    "the reconciler requeues those jobs after their visibility timeout",
-                    dropped,
-                    self._max_held,
-                )
-            return False
-        except CelerySchedError as exc:
-            logger.warning("could not record %d job status reports: %s", len(batch), exc)
+            except SchemaMissing as exc:
+                # Every report would fail alike: no point in looking for one.
+                logger.warning("could not record %d job status reports: %s", len(chunk), exc)
+            except Exception as exc:
+                # The store refused something in the batch (or a bug broke
+                # the write): one bad report must not cost the others, so
+                # write the batch in halves until the refused one is alone.
+                if len(chunk) == 1:
+                    logger.error(
+                        "dropped a job status report the store refuses (%s: %s): %r",
+                        type(exc).__name__,
+                        exc,
+                        chunk[0],
+                    )
+                    continue
+                if chunk is batch:
+                    logger.warning(
+                        "could not record %d job status reports (%s: %s); "
+                        "writing them in parts to drop only what is refused",
+                        len(chunk),
+                        type(exc).__name__,
+                        exc,
+                    )
+                middle = len(chunk) // 2
+                chunks.appendleft(chunk[middle:])
+                chunks.appendleft(chunk[:middle])
         return True
+
+    def _hold(self, unwritten: list[WorkerUpdate], exc: Exception) -> None:
+        with self._cond:
+            held = unwritten + self._pending
+            dropped = len(held) - self._max_held
+            if dropped > 0:
+                del held[:dropped]
+            self._pending = held
+        logger.warning(
+            "could not record %d job status reports, keeping them for the next try: %s",
+            len(unwritten),
+            exc,
+        )
+        if dropped > 0:
+            logger.error(
+                "dropped the %d oldest job status reports (more than %d waiting); "
+                "the rescuer requeues those jobs once this process stops beating",
+                dropped,
+                self._max_held,
+            )
+
+    def beat(self) -> bool:
+        """Refresh this process's heartbeat rows; False if the store refused."""
+        with self._cond:
+            hostnames = dict(self._hostnames)
+        ok = True
+        for hostname, reached in hostnames.items():
+            try:
+                self.store.heartbeat(hostname, self.pid, first=not reached)
+            except Exception as exc:
+                if not self._beat_failing:
+                    logger.warning(
+                        "could not record the heartbeat of %s pid %d: %s: %s",
+                        hostname,
+                        self.pid,
+                        type(exc).__name__,
+                        exc,
+                    )
+                ok = False
+                continue
+            with self._cond:
+                self._hostnames[hostname] = True
+        self._beat_failing = not ok
+        return ok
 
     def close(self) -> None:
         with self._cond:
@@ -160,29 +281,57 @@ class StatusWriter:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                if not self._closed:
-                    if self._failing:
-                        self._cond.wait(self._retry_interval)
-                    elif len(self._pending) < FLUSH_SIZE:
-                        self._cond.wait(self._interval)
-                closed = self._closed
-            if closed:
-                return
-            ok = self.flush()
-            with self._cond:
-                self._failing = not ok
+            try:
+                with self._cond:
+                    if not self._closed:
+                        wait = self._interval
+                        if self._failing:
+                            wait = self._retry_interval
+                        elif len(self._pending) >= FLUSH_SIZE:
+                            wait = 0.0
+                        if self._hostnames:
+                            wait = min(wait, self._next_beat - time.monotonic())
+                        if wait > 0:
+                            self._cond.wait(wait)
+                    closed = self._closed
+                    beat_due = bool(self._hostnames) and time.monotonic() >= self._next_beat
+                if closed:
+                    return
+                if beat_due:
+                    # Before the reports: a job's start is then never
+                    # recorded ahead of its process's first beat.
+                    beaten = self.beat()
+                    delay = self._heartbeat_interval if beaten else self._retry_interval
+                    with self._cond:
+                        self._next_beat = time.monotonic() + delay
+                ok = self.flush()
+                with self._cond:
+                    self._failing = not ok
+            except Exception:
+                # Nothing may end this thread: every later report of the
+                # process would queue for ever.
+                logger.exception("job status writer: unexpected error; going on")
+                with self._cond:
+                    self._failing = True
 
 
 _writers: dict[int, StatusWriter] = {}
 
 
 def writer_for(app: Any) -> StatusWriter:
-    """This process's status writer for ``app``, started on first use."""
+    """This process's status writer for ``app``, started on first use and
+    replaced (taking over its unwritten reports) if its thread is gone."""
     with _lock:
         writer = _writers.get(id(app))
         if writer is None or writer.pid != os.getpid():
             writer = _writers[id(app)] = StatusWriter(store_for(app))
+        elif not writer.alive:
+            if not writer.closed:
+                logger.error("the job status writer thread of this process ended; replacing it")
+            pending, hostnames = writer.handover()
+            writer = _writers[id(app)] = StatusWriter(
+                store_for(app), pending=pending, hostnames=hostnames
+            )
         return writer
 
 
@@ -222,13 +371,55 @@ def _job_id(task: Any, task_id: str | None) -> uuid.UUID | None:
         return None
 
 
+def _attempt(task: Any) -> int | None:
+    """The delivery's attempt (its ``celery_sched_attempt`` header), if readable."""
+    request = task.request
+    value = getattr(request, HEADER_ATTEMPT, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(HEADER_ATTEMPT)
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
     job_id = _job_id(task, task_id)
     if job_id is not None:
         worker = str(task.request.hostname or "")
         writer_for(task.app).report(
-            WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker=worker)
+            # With the attempt: the store ignores the start of a stale delivery.
+            WorkerUpdate(
+                job_id=job_id,
+                status=JobStatus.RUNNING,
+                worker=worker,
+                worker_pid=os.getpid(),
+                attempt=_attempt(task),
+            )
         )
+
+
+def _on_failure(
+    sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any
+) -> None:
+    # Only a lost process matters here (the task's own failures arrive
+    # through task_postrun). Celery's main process sends it, with the
+    # delivery's request pushed, when a prefork child died mid-task; the
+    # message may already be acknowledged, so nothing would run the job
+    # again without this.
+    if not isinstance(exception, WorkerLostError):
+        return
+    job_id = _job_id(sender, task_id)
+    if job_id is None:
+        return
+    writer_for(sender.app).report(
+        WorkerUpdate(
+            job_id=job_id,
+            status=JobStatus.PENDING,
+            error=f"its worker process was lost: {_describe(exception)}",
+            attempt=_attempt(sender),
+        )
+    )
 
 
 _POSTRUN_STATUS = {
@@ -258,6 +449,9 @@ def _on_postrun(
 def _describe(value: Any) -> str | None:
     if value is None:
         return None
-    if isinstance(value, BaseException):
-        return f"{type(value).__name__}: {value}"[:2000]
-    return repr(value)[:2000]
+    try:
+        if isinstance(value, BaseException):
+            return f"{type(value).__name__}: {value}"
+        return repr(value)
+    except Exception:  # a broken __str__ must not cost the report
+        return type(value).__name__

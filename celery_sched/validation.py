@@ -18,6 +18,7 @@ import datetime as dt
 import json
 import math
 import os
+import re
 import struct
 import uuid
 import zlib
@@ -32,6 +33,7 @@ from celery.utils.saferepr import saferepr
 from kombu.serialization import dumps
 from kombu.utils.json import dumps as kombu_json_dumps
 
+from celery_sched.dispatch import RESERVED_HEADER_PREFIX, RESERVED_HEADERS, is_reserved_header
 from celery_sched.errors import (
     InvalidArguments,
     InvalidJob,
@@ -41,7 +43,16 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
-from celery_sched.models import EMPTY_OPTIONS, MESSAGE_OPTIONS, NewJob, NewJobRow, id_of_key
+from celery_sched.models import (
+    DUE_LIMIT,
+    EMPTY_OPTIONS,
+    MAX_INT32,
+    MAX_SECONDS,
+    MESSAGE_OPTIONS,
+    NewJob,
+    NewJobRow,
+    id_of_key,
+)
 from celery_sched.settings import Settings
 from celery_sched.timeutil import EPOCH, UTC, resolve_local
 
@@ -57,6 +68,19 @@ ALLOWED_OPTIONS = MESSAGE_OPTIONS | JOB_OPTIONS
 TASK_JOB_DEFAULTS = ("visibility_timeout", "max_attempts", "max_runtime")
 
 MAX_KEY_LENGTH = 512
+
+#: The shape of a periodic occurrence's key, exactly as
+#: ``schedules.occurrence_key`` writes it: ``<schedule name>@`` and the
+#: nominal UTC instant as naive ``isoformat()`` (microseconds only when not
+#: zero) plus ``Z``. The planner skips keys that exist, so a caller's job
+#: holding one would silently take that occurrence's place.
+_OCCURRENCE_KEY = re.compile(r".+@\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{6})?Z", re.DOTALL)
+
+
+def is_occurrence_key(key: str) -> bool:
+    """Whether ``key`` has the form reserved for periodic occurrences."""
+    return key[-1:] == "Z" and _OCCURRENCE_KEY.fullmatch(key) is not None
+
 
 #: The protocol-2 "embed" part of the body: scheduled jobs carry no canvas.
 _EMBED: dict[str, None] = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -121,14 +145,20 @@ class JobBuilder:
         check_task: bool = True,
         now: Clock,
         options: Mapping[str, Any] | None = None,
+        caller_key: bool = False,
     ) -> NewJob:
         """Validate one job and return it ready to write.
 
         ``now`` supplies the store's current time for countdowns and for
-        jobs given no due time. Raises an :class:`InvalidJob` subclass.
+        jobs given no due time. ``caller_key`` says the key is a caller's
+        (``Client.schedule``), which may not have the form of a periodic
+        occurrence's key; the planner's own sample occurrences pass False.
+        Raises an :class:`InvalidJob` subclass.
         """
         return NewJob.from_row(
-            self._build(task_name, args, kwargs, eta, countdown, key, check_task, now, options)
+            self._build(
+                task_name, args, kwargs, eta, countdown, key, check_task, now, options, caller_key
+            )
         )
 
     def build_row(
@@ -139,7 +169,8 @@ class JobBuilder:
 
         ``row_fields`` are the keys that are not options; any other key is
         one. Reading the mapping here, not in the caller, saves a keyword
-        call per row on the bulk path.
+        call per row on the bulk path. Every key is a caller's (see
+        :meth:`build`).
         """
         get = row.get
         task = get("task")
@@ -157,6 +188,7 @@ class JobBuilder:
             None
             if row_fields.issuperset(row)
             else {name: value for name, value in row.items() if name not in row_fields},
+            True,
         )
 
     def _build(
@@ -170,6 +202,7 @@ class JobBuilder:
         check_task: Any,
         now: Clock,
         options: Mapping[str, Any] | None,
+        caller_key: bool,
     ) -> NewJobRow:
         if type(task_name) is not str or not task_name:
             raise UnknownTask(f"task name must be a non-empty string, got {task_name!r}")
@@ -206,6 +239,11 @@ class JobBuilder:
             due_at = eta
         else:
             due_at = self._due_at(eta, countdown, now)
+        if due_at >= DUE_LIMIT:
+            raise InvalidTime(
+                f"due time {due_at.isoformat()} is too late: the store holds due times "
+                f"before {DUE_LIMIT.isoformat()} (minutes since 1970 in a 32-bit integer)"
+            )
 
         # A job without a key has its id as its key; so does a job whose key
         # is a UUID in canonical text form (the id is that UUID), which keeps
@@ -222,6 +260,11 @@ class JobBuilder:
                 )
             if not key.isascii() or "\x00" in key:
                 _check_text("job key", key)
+            if caller_key and is_occurrence_key(key):
+                raise InvalidJob(
+                    f"job key {key!r} has the form <name>@<UTC instant>Z, which is reserved "
+                    "for the occurrences of periodic schedules; choose another key"
+                )
             key_id = id_of_key(key)
             if key_id is None:
                 job_id = self._ids.next()
@@ -430,8 +473,10 @@ class JobBuilder:
         max_attempts = options.get("max_attempts")
         if max_attempts is None:
             max_attempts = self._max_attempts
-        elif type(max_attempts) is not int or max_attempts < 1:
-            raise InvalidJob(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        elif type(max_attempts) is not int or not 1 <= max_attempts <= MAX_INT32:
+            raise InvalidJob(
+                f"max_attempts must be an integer from 1 to {MAX_INT32}, got {max_attempts!r}"
+            )
 
         return (
             job_id,
@@ -455,10 +500,10 @@ class JobBuilder:
 
     def _expires_at(self, expires: Any, due_at: dt.datetime) -> dt.datetime:
         if isinstance(expires, (int, float)) and type(expires) is not bool:
-            if not math.isfinite(expires) or expires <= 0:
+            if not 0 < expires <= MAX_SECONDS:  # also refuses NaN
                 raise InvalidTime(
                     f"expires must be a positive number of seconds after the due time, "
-                    f"got {expires!r}"
+                    f"at most {MAX_SECONDS:.0f} (1000 years), got {expires!r}"
                 )
             try:
                 return due_at + dt.timedelta(seconds=expires)
@@ -500,6 +545,13 @@ def _check_message_option(name: str, value: Any) -> Any:
     if name == "headers":
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise InvalidJob("option headers must be a mapping with string keys")
+        reserved = sorted(k for k in value if is_reserved_header(k))
+        if reserved:
+            raise InvalidJob(
+                f"option headers must not set {', '.join(map(repr, reserved))}: Celery's "
+                f"protocol headers ({', '.join(sorted(RESERVED_HEADERS))}) and every "
+                f"{RESERVED_HEADER_PREFIX}* header are reserved"
+            )
         headers = dict(value)
         try:
             # Options are stored as JSON; refuse what would not survive.
@@ -535,8 +587,11 @@ def _positive_seconds(name: str, value: Any) -> float | None:
         return None
     if type(value) is bool or not isinstance(value, (int, float)):
         raise InvalidJob(f"option {name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidJob(f"option {name} must be a finite number > 0, got {value!r}")
+    if not 0 < value <= MAX_SECONDS:  # also refuses NaN
+        raise InvalidJob(
+            f"option {name} must be a number of seconds > 0 and at most {MAX_SECONDS:.0f} "
+            f"(1000 years), got {value!r}"
+        )
     return float(value)
 
 

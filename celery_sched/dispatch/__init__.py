@@ -20,8 +20,11 @@ __all__ = [
     "HEADER_ATTEMPT",
     "HEADER_EPOCH",
     "HEADER_KEY",
+    "RESERVED_HEADERS",
+    "RESERVED_HEADER_PREFIX",
     "base_headers",
     "is_expired",
+    "is_reserved_header",
     "message_headers",
 ]
 
@@ -30,6 +33,47 @@ __all__ = [
 HEADER_KEY = "celery_sched_key"
 HEADER_ATTEMPT = "celery_sched_attempt"
 HEADER_EPOCH = "celery_sched_epoch"
+
+
+#: Every header a message of ours carries whose name a user's ``headers``
+#: option must not take: a stock worker reads them as protocol fields (a
+#: ``shadow``, ``eta`` or ``retries`` of the user's would change what runs and
+#: when), and ``celery_sched.Task`` trusts its own ``celery_sched_*`` headers
+#: (key, attempt, epoch, failures) for the ledger and the fence. The names are
+#: those of ``celery.app.amqp.AMQP.as_task_v2`` plus ``celery_beat_task``;
+#: a test keeps them in step with the installed Celery.
+RESERVED_HEADERS: frozenset[str] = frozenset(
+    {
+        "lang",
+        "task",
+        "id",
+        "shadow",
+        "eta",
+        "expires",
+        "group",
+        "group_index",
+        "retries",
+        "timelimit",
+        "root_id",
+        "parent_id",
+        "argsrepr",
+        "kwargsrepr",
+        "origin",
+        "ignore_result",
+        "replaced_task_nesting",
+        "stamped_headers",
+        "stamps",
+        "celery_beat_task",
+    }
+)
+
+#: Every header whose name starts with this is ours (present and future ones).
+RESERVED_HEADER_PREFIX = "celery_sched_"
+
+
+def is_reserved_header(name: str) -> bool:
+    """Whether a user's ``headers`` option may not use ``name``."""
+    return name in RESERVED_HEADERS or name.startswith(RESERVED_HEADER_PREFIX)
 
 
 def base_headers(*, origin: str, epoch: int) -> dict[str, Any]:
@@ -69,12 +113,16 @@ def message_headers(base: dict[str, Any], job: Job, task_id: str) -> dict[str, A
     """The full headers of ``job``'s message: ``base`` plus the per-job fields.
 
     One dict literal per message: this is the hot path of a publish. The
-    job's own ``headers`` option is applied under the protocol fields, so it
-    can add headers but never change the task name or id a worker sees.
+    job's own ``headers`` option can only add headers: validation refuses
+    reserved names, and any a row stored before that check carries are
+    dropped here, so no protocol field (and no ``celery_sched_*`` header)
+    ever comes from it.
     """
     options = job.options
     expires_at = job.expires_at
     extra = options.get("headers") if options else None
+    if extra:
+        extra = {name: value for name, value in extra.items() if not is_reserved_header(name)}
     headers = {
         **(base if not extra else {**base, **extra}),
         "task": job.task,

@@ -44,20 +44,50 @@ from celery_sched.settings import Settings, sanitize_url
 
 logger = logging.getLogger(__name__)
 
+
+class _ServerBusy(Exception):
+    """A Redis error reply that speaks for the whole server (not one list)."""
+
+
 #: Failures after which a fresh connection may succeed. Anything else raised
 #: while publishing one message (an unroutable task, an unencodable header) is
-#: that job's own failure and is not retried.
+#: that job's own failure and is not retried; an error reply for one Redis
+#: list (WRONGTYPE) or a channel error declaring one queue or exchange fails
+#: the jobs of that destination only.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     OperationalError,
     BatchPublishError,
     OSError,  # socket errors, ConnectionError, TimeoutError
     amqp.exceptions.ConnectionError,
     amqp.exceptions.ChannelError,
-    redis.exceptions.ConnectionError,
+    redis.exceptions.ConnectionError,  # BusyLoadingError (LOADING) included
     redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    redis.exceptions.ResponseError,  # e.g. READONLY after a failover
+    # Error replies about the server, not the key: a replica after a
+    # failover, memory full, a cluster in transition.
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    _ServerBusy,
 )
+
+#: Error replies redis-py leaves unmapped that still concern the whole server.
+_SERVER_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM", "BUSY")
+
+
+def _server_wide(exc: redis.exceptions.ResponseError) -> bool:
+    return isinstance(exc, TRANSIENT_ERRORS) or str(exc).startswith(_SERVER_REPLIES)
+
+
+class _DestinationFailed(Exception):
+    """Internal: one destination (queue, exchange, Redis list) refused its
+    messages; ``ids`` are the jobs that were headed there."""
+
+    def __init__(self, ids: list[uuid.UUID], reason: str) -> None:
+        super().__init__(reason)
+        self.ids = ids
+        self.reason = reason
+
 
 #: Messages flushed to Redis per pipeline round trip. After each flush those
 #: jobs are known to be sent; a failure can only leave one chunk uncertain.
@@ -67,6 +97,10 @@ DEFAULT_CHUNK = 500
 # we flush explicitly per chunk to know which jobs are sent, so this only
 # has to exceed what one chunk can buffer.
 _NO_AUTO_FLUSH = 1 << 30
+
+
+def _always() -> bool:
+    return True
 
 
 def _dumps(value: Any) -> bytes:
@@ -153,14 +187,19 @@ class _RedisEnvelopes:
         )
 
 
-def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> None:
+def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
     """``LPUSH key *payloads`` for each list: one write, one round trip.
 
     The commands are packed here: for hundreds of kilobyte-sized values a
     plain join is about ten times faster than redis-py's hiredis packer,
     which took an eighth of the dispatch loop's time. Kombu's
-    ``global_keyprefix`` is applied as its own client applies it. On any
-    failure the connection is dropped, so no unread reply is left on it.
+    ``global_keyprefix`` is applied as its own client applies it.
+
+    Each list's reply is read on its own: an error reply about that key
+    (WRONGTYPE: the queue name is a key of another type) is returned as
+    ``{list: why}`` and the other lists count as written. An error about
+    the server (READONLY, LOADING, ...) or any other failure is raised, the
+    connection dropped so no unread reply is left on it.
     """
     prefix = getattr(client, "global_keyprefix", None) or ""
     parts: list[bytes] = []
@@ -174,15 +213,25 @@ def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> None:
             append(b"\r\n")
     pool = client.connection_pool
     conn = pool.get_connection()
+    refused: dict[str, str] = {}
     try:
         conn.send_packed_command([b"".join(parts)])
-        for _ in lists:
-            conn.read_response()
+        for key in lists:
+            try:
+                conn.read_response()
+            except redis.exceptions.ResponseError as exc:
+                if _server_wide(exc):
+                    if isinstance(exc, TRANSIENT_ERRORS):
+                        raise
+                    raise _ServerBusy(str(exc)) from exc
+                # The whole reply was read: the connection stays in step.
+                refused[key] = f"Redis refused list {key!r}: {exc}"
     except BaseException:
         conn.disconnect()
         raise
     finally:
         pool.release(conn)
+    return refused
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,6 +294,9 @@ class KombuDispatcher(Dispatcher):
         self._producer: Any = None
         self._events: Any = None
         self._declared: set[Queue | Exchange] = set()
+        # Exchanges of routes without a queue to declare, checked to exist
+        # once per connection (RabbitMQ).
+        self._exchanges_seen: set[str] = set()
         self._batching = False
         # On py-amqp (RabbitMQ) messages skip Kombu's publish and carry
         # properties encoded by our own encoder (see amqp_wire); set False to
@@ -254,16 +306,24 @@ class KombuDispatcher(Dispatcher):
 
     # -- public API ---------------------------------------------------------
 
-    def publish(self, jobs: Sequence[Job], *, epoch: int, now: dt.datetime) -> PublishResult:
+    def publish(
+        self,
+        jobs: Sequence[Job],
+        *,
+        epoch: int,
+        now: dt.datetime,
+        may_publish: Callable[[], bool] | None = None,
+    ) -> PublishResult:
         sent: list[uuid.UUID] = []
         failed: list[uuid.UUID] = []
         expired: list[uuid.UUID] = []
-        todo = self._prepare(jobs, epoch=epoch, now=now, failed=failed, expired=expired)
-        rejected: set[uuid.UUID] = set()
-        if todo:
+        rejected: dict[uuid.UUID, str] = {}
+        todo = self._prepare(jobs, epoch=epoch, now=now, rejected=rejected, expired=expired)
+        allowed = may_publish or _always
+        while todo:
             try:
                 call_with_retry(
-                    lambda: self._send(todo, sent, rejected),
+                    lambda: self._send(todo, sent, rejected, allowed),
                     transient=TRANSIENT_ERRORS,
                     translate=lambda exc: PublishError(
                         f"publishing to {self._url} failed: {type(exc).__name__}: {exc}"
@@ -274,6 +334,15 @@ class KombuDispatcher(Dispatcher):
                     backoff=self._settings.retry_backoff,
                     sleep=self._sleep,
                 )
+            except _DestinationFailed as exc:
+                # One queue or exchange refused: its jobs fail, the channel
+                # it closed is reopened, the rest of the batch goes on.
+                logger.error("cannot publish %d jobs: %s", len(exc.ids), exc.reason)
+                for job_id in exc.ids:
+                    rejected[job_id] = exc.reason
+                self._reset()
+                todo[:] = [m for m in todo if m.job_id not in rejected]
+                continue
             except CelerySchedError as exc:
                 # ``todo`` holds exactly the jobs not known to be sent.
                 logger.error(
@@ -284,9 +353,13 @@ class KombuDispatcher(Dispatcher):
                     exc,
                 )
                 failed.extend(m.job_id for m in todo if m.job_id not in rejected)
-        if rejected:
-            failed.extend(job_id for job_id in rejected)
-        return PublishResult(sent=sent, failed=failed, expired=expired)
+                todo.clear()
+            break
+        # Left unsent without an error: the lease ran out (may_publish).
+        withheld = [m.job_id for m in todo if m.job_id not in rejected]
+        return PublishResult(
+            sent=sent, failed=failed, expired=expired, rejected=rejected, withheld=withheld
+        )
 
     def close(self) -> None:
         self._reset()
@@ -299,60 +372,65 @@ class KombuDispatcher(Dispatcher):
         *,
         epoch: int,
         now: dt.datetime,
-        failed: list[uuid.UUID],
+        rejected: dict[uuid.UUID, str],
         expired: list[uuid.UUID],
     ) -> list[_Message]:
         base = base_headers(origin=self._settings.hostname, epoch=epoch)
-        routes = self._routes
         todo: list[_Message] = []
         append = todo.append
+        prepare = self._message
         for job in jobs:
             if is_expired(job, now):
                 expired.append(job.id)
                 continue
-            options = job.options
-            if options:
-                route_key = (
-                    job.task,
-                    options.get("queue"),
-                    options.get("exchange"),
-                    options.get("routing_key"),
-                )
-            else:
-                route_key = (job.task, None, None, None)
-            route = routes.get(route_key)
-            if route is None:
-                try:
-                    route = routes[route_key] = self._resolve_route(*route_key)
-                except Exception:
-                    # An unroutable job (e.g. a queue missing from
-                    # task_queues) fails the same way on every attempt.
-                    logger.exception("cannot route job %s (task %s)", job.key, job.task)
-                    failed.append(job.id)
-                    continue
-            priority = route.priority
-            if options and "priority" in options:
-                priority = options["priority"]
-            expiration = None
-            if job.expires_at is not None:
-                # Celery sets the AMQP TTL from ``expires`` too, so RabbitMQ
-                # drops the message rather than delivering it late.
-                expiration = (job.expires_at - now).total_seconds()
-            task_id = str(job.id)
-            append(
-                _Message(
-                    job.id,
-                    task_id,
-                    job.body,
-                    job.content_type,
-                    job.content_encoding,
-                    message_headers(base, job, task_id),
-                    route,
-                    priority,
-                    expiration,
-                )
-            )
+            try:
+                append(prepare(job, base, now))
+            except Exception as exc:
+                # Unroutable (a queue missing from task_queues) or a header
+                # that cannot be built: the same on every attempt.
+                logger.exception("cannot publish job %s (task %s)", job.key, job.task)
+                reason = exc if isinstance(exc, PublishError) else repr(exc)
+                rejected[job.id] = str(reason)
         return todo
+
+    def _message(self, job: Job, base: dict[str, Any], now: dt.datetime) -> _Message:
+        routes = self._routes
+        options = job.options
+        if options:
+            route_key = (
+                job.task,
+                options.get("queue"),
+                options.get("exchange"),
+                options.get("routing_key"),
+            )
+        else:
+            route_key = (job.task, None, None, None)
+        route = routes.get(route_key)
+        if route is None:
+            try:
+                route = routes[route_key] = self._resolve_route(*route_key)
+            except Exception as exc:
+                raise PublishError(f"cannot route task {job.task!r}: {exc!r}") from exc
+        priority = route.priority
+        if options and "priority" in options:
+            priority = options["priority"]
+        expiration = None
+        if job.expires_at is not None:
+            # Celery sets the AMQP TTL from ``expires`` too, so RabbitMQ
+            # drops the message rather than delivering it late.
+            expiration = (job.expires_at - now).total_seconds()
+        task_id = str(job.id)
+        return _Message(
+            job.id,
+            task_id,
+            job.body,
+            job.content_type,
+            job.content_encoding,
+            message_headers(base, job, task_id),
+            route,
+            priority,
+            expiration,
+        )
 
     def _resolve_route(self, task: str, queue: Any, exchange: Any, routing_key: Any) -> Route:
         """Route like ``send_task``: task options < task_routes < the job's own."""
@@ -427,6 +505,7 @@ class KombuDispatcher(Dispatcher):
                 raise
             self._connection = connection
             self._declared = set()
+            self._exchanges_seen = set()
             self._batching = bool(self._producer.supports_batch_publish)
             if self._send_sent_event:
                 self._events = self._app.events.Dispatcher(
@@ -445,6 +524,7 @@ class KombuDispatcher(Dispatcher):
         producer, connection, events = self._producer, self._connection, self._events
         self._producer = self._connection = self._events = None
         self._declared = set()
+        self._exchanges_seen = set()
         if events is not None:
             with contextlib.suppress(Exception):
                 events.close()
@@ -456,7 +536,13 @@ class KombuDispatcher(Dispatcher):
             with contextlib.suppress(Exception):
                 connection.release()
 
-    def _send(self, todo: list[_Message], sent: list[uuid.UUID], rejected: set[uuid.UUID]) -> None:
+    def _send(
+        self,
+        todo: list[_Message],
+        sent: list[uuid.UUID],
+        rejected: dict[uuid.UUID, str],
+        allowed: Callable[[], bool],
+    ) -> None:
         """Publish ``todo``, removing each job from it once it is known to be sent.
 
         What "known to be sent" means: on a batching transport (Redis), every
@@ -471,13 +557,16 @@ class KombuDispatcher(Dispatcher):
         broker's acknowledgement instead.
 
         A job whose own message cannot be published (not a broker failure)
-        goes to ``rejected`` and is skipped by later attempts.
+        goes to ``rejected`` and is skipped by later attempts. A queue or
+        exchange the broker refuses raises :class:`_DestinationFailed` for
+        the jobs headed there. Before each chunk ``allowed()`` is asked; on
+        ``False`` this returns with the rest left in ``todo``.
         """
         done = 0
         try:
             producer = self._connect()
             if self._redis_direct(producer, todo):
-                self._send_redis(producer, todo, sent, rejected)
+                self._send_redis(producer, todo, sent, rejected, allowed)
                 return
             chunk = self._chunk if self._batching else 1
             events = self._events if self._send_sent_event else None
@@ -490,9 +579,15 @@ class KombuDispatcher(Dispatcher):
                 default_mode = producer.exchange.delivery_mode
             reply_to = self._reply_to
             declared = self._declared
+            seen = self._exchanges_seen
+            # Publishing to a missing exchange closes the channel, and RabbitMQ
+            # drops what follows on it unread: check such exchanges first.
+            check_exchanges = isinstance(channel, amqp.Channel)
             total = len(todo)
             with producer.batch(max_size=_NO_AUTO_FLUSH) as batch:
                 while done < total:
+                    if not allowed():
+                        return
                     end = min(done + chunk, total)
                     for index in range(done, end):
                         message = todo[index]
@@ -500,11 +595,10 @@ class KombuDispatcher(Dispatcher):
                             continue
                         route = message.route
                         entity = route.declare
-                        if entity is not None and entity not in declared:
-                            # Once per connection, so a message to a new queue
-                            # is not dropped by RabbitMQ.
-                            entity.bind(producer.channel).declare()
-                            declared.add(entity)
+                        if (entity is not None and entity not in declared) or (
+                            check_exchanges and route.exchange and route.exchange not in seen
+                        ):
+                            self._declare(channel, route, todo, index, check_exchanges)
                         try:
                             if direct:
                                 # What Kombu's publish sends on py-amqp, byte
@@ -550,14 +644,27 @@ class KombuDispatcher(Dispatcher):
                                 self._send_event(events, producer, message)
                         except TRANSIENT_ERRORS:
                             raise
-                        except Exception:
+                        except Exception as exc:
                             logger.exception(
                                 "cannot publish job %s (task %s)",
                                 message.headers.get(HEADER_KEY),
                                 message.headers.get("task"),
                             )
-                            rejected.add(message.job_id)
-                    batch.flush()
+                            rejected[message.job_id] = repr(exc)
+                    try:
+                        batch.flush()
+                    except BatchPublishError as exc:
+                        cause = exc.__cause__
+                        if not isinstance(cause, redis.exceptions.ResponseError) or _server_wide(
+                            cause
+                        ):
+                            raise
+                        # An error reply for one list inside Kombu's pipeline
+                        # cannot be told apart from the rest of the chunk.
+                        raise _DestinationFailed(
+                            [m.job_id for m in todo[done:end] if m.job_id not in rejected],
+                            f"Redis refused a publish batch: {cause}",
+                        ) from exc
                     for index in range(done, end):
                         job_id = todo[index].job_id
                         if not rejected or job_id not in rejected:
@@ -568,6 +675,44 @@ class KombuDispatcher(Dispatcher):
             raise
         finally:
             del todo[:done]
+
+    def _declare(
+        self,
+        channel: Any,
+        route: Route,
+        todo: list[_Message],
+        index: int,
+        check_exchange: bool = False,
+    ) -> None:
+        """Declare ``route``'s queue or exchange once per connection, so a
+        message to a new queue is not dropped; with ``check_exchange``
+        (RabbitMQ) also check that its exchange exists, since a publish to a
+        missing one closes the channel and what follows on it is dropped.
+
+        An error about this destination (RabbitMQ: NOT_FOUND, ACCESS_REFUSED,
+        PRECONDITION_FAILED for a queue declared with other arguments; Redis:
+        WRONGTYPE, the queue's name holds another type) fails the jobs of
+        ``todo[index:]`` going there, and only those.
+        """
+        entity = route.declare
+        where = f"queue {route.queue!r}" if route.queue else f"exchange {route.exchange!r}"
+        try:
+            if entity is not None and entity not in self._declared:
+                entity.bind(channel).declare()
+                self._declared.add(entity)
+            if check_exchange and route.exchange and route.exchange not in self._exchanges_seen:
+                where = f"exchange {route.exchange!r}"
+                channel.exchange_declare(route.exchange, "direct", passive=True)
+                self._exchanges_seen.add(route.exchange)
+        except (amqp.exceptions.ChannelError, redis.exceptions.ResponseError) as exc:
+            if isinstance(exc, redis.exceptions.ResponseError) and _server_wide(exc):
+                raise
+            if isinstance(exc, amqp.exceptions.RecoverableChannelError):
+                raise  # e.g. a resource locked for now: retried whole
+            raise _DestinationFailed(
+                [m.job_id for m in todo[index:] if m.route == route],
+                f"the broker refused {where}: {type(exc).__name__}: {exc}",
+            ) from exc
 
     def _redis_direct(self, producer: Any, todo: list[_Message]) -> bool:
         """Whether ``todo`` can skip Kombu's per-message publish machinery.
@@ -589,7 +734,8 @@ class KombuDispatcher(Dispatcher):
         producer: Any,
         todo: list[_Message],
         sent: list[uuid.UUID],
-        rejected: set[uuid.UUID],
+        rejected: dict[uuid.UUID, str],
+        allowed: Callable[[], bool],
     ) -> None:
         """Write each chunk as one pipelined ``LPUSH`` per destination list.
 
@@ -599,7 +745,8 @@ class KombuDispatcher(Dispatcher):
         stock worker consumes it; building it here saves most of the
         per-message Python work (the publish benchmark measures the gain).
         Multi-value ``LPUSH`` keeps FIFO order: the worker pops from the
-        right. Chunk accounting is the same as in :meth:`_send`.
+        right. Chunk accounting is the same as in :meth:`_send`; a list
+        Redis refuses (WRONGTYPE) fails only the jobs written to it.
         """
         channel = producer.channel
         envelope = _RedisEnvelopes(self._reply_to).encode
@@ -612,6 +759,8 @@ class KombuDispatcher(Dispatcher):
         try:
             with channel.conn_or_acquire() as client:
                 while done < total:
+                    if not allowed():
+                        return
                     end = min(done + self._chunk, total)
                     lists: dict[str, list[bytes]] = {}
                     for index in range(done, end):
@@ -621,19 +770,18 @@ class KombuDispatcher(Dispatcher):
                         route = message.route
                         entity = route.declare
                         if entity is not None and entity not in declared:
-                            entity.bind(channel).declare()
-                            declared.add(entity)
+                            self._declare(channel, route, todo, index)
                         try:
                             priority = message.priority or 0
                             priority = max(min(int(priority), max_priority), min_priority)
                             payload = envelope(message, priority)
-                        except (TypeError, ValueError):
+                        except (TypeError, ValueError) as exc:
                             logger.exception(
                                 "cannot encode job %s (task %s)",
                                 message.headers.get(HEADER_KEY),
                                 message.headers.get("task"),
                             )
-                            rejected.add(message.job_id)
+                            rejected[message.job_id] = f"cannot encode the message: {exc!r}"
                             continue
                         list_key = (route.routing_key, priority)
                         key = keys.get(list_key)
@@ -644,8 +792,18 @@ class KombuDispatcher(Dispatcher):
                             lists[key] = [payload]
                         else:
                             payloads.append(payload)
-                    if lists:
-                        _push_lists(client, lists)
+                    refused = _push_lists(client, lists) if lists else {}
+                    if refused:
+                        # Rare: attribute each job of the chunk to its list.
+                        for index in range(done, end):
+                            message = todo[index]
+                            if message.job_id in rejected:
+                                continue
+                            priority = message.priority or 0
+                            priority = max(min(int(priority), max_priority), min_priority)
+                            why = refused.get(keys[(message.route.routing_key, priority)])
+                            if why is not None:
+                                rejected[message.job_id] = why
                     for index in range(done, end):
                         job_id = todo[index].job_id
                         if not rejected or job_id not in rejected:

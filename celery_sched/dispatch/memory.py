@@ -6,7 +6,7 @@ import dataclasses
 import datetime as dt
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_sched.dispatch import base_headers, is_expired, message_headers
@@ -42,14 +42,26 @@ class MemoryDispatcher(Dispatcher):
     Thread-safe, so an engine thread and a test thread may share it.
     """
 
-    def __init__(self, *, origin: str = "celery_sched@memory", default_queue: str = DEFAULT_QUEUE):
+    def __init__(
+        self,
+        *,
+        origin: str = "celery_sched@memory",
+        default_queue: str = DEFAULT_QUEUE,
+        chunk: int = 500,
+    ):
+        if chunk < 1:
+            raise ValueError("chunk must be at least 1")
         self.origin = origin
         self.default_queue = default_queue
+        self.chunk = chunk
         self.messages: list[PublishedMessage] = []
         self.publish_calls = 0
         self.closed = False
+        #: Called before each chunk is sent (a test moves its clock here).
+        self.before_chunk: Callable[[], None] | None = None
         self._fail_next = 0
         self._down = False
+        self._rejects: dict[uuid.UUID, str] = {}
         self._lock = threading.Lock()
 
     # -- test controls --------------------------------------------------------
@@ -61,6 +73,16 @@ class MemoryDispatcher(Dispatcher):
             raise ValueError("count must not be negative")
         with self._lock:
             self._fail_next = count
+
+    def reject(self, job_id: uuid.UUID, reason: str = "unroutable (test)") -> None:
+        """Make every publish of ``job_id`` fail on its own (``rejected``), as
+        an unroutable or unencodable message does, until :meth:`accept`."""
+        with self._lock:
+            self._rejects[job_id] = reason
+
+    def accept(self, job_id: uuid.UUID) -> None:
+        with self._lock:
+            self._rejects.pop(job_id, None)
 
     def set_down(self, down: bool = True) -> None:
         """Fail every message until called again with ``False`` (broker outage)."""
@@ -78,46 +100,70 @@ class MemoryDispatcher(Dispatcher):
 
     # -- Dispatcher -----------------------------------------------------------
 
-    def publish(self, jobs: Sequence[Job], *, epoch: int, now: dt.datetime) -> PublishResult:
+    def publish(
+        self,
+        jobs: Sequence[Job],
+        *,
+        epoch: int,
+        now: dt.datetime,
+        may_publish: Callable[[], bool] | None = None,
+    ) -> PublishResult:
         sent: list[uuid.UUID] = []
         failed: list[uuid.UUID] = []
         expired: list[uuid.UUID] = []
+        rejected: dict[uuid.UUID, str] = {}
+        withheld: list[uuid.UUID] = []
         base = base_headers(origin=self.origin, epoch=epoch)
         with self._lock:
             if self.closed:
                 raise RuntimeError("MemoryDispatcher used after close()")
             self.publish_calls += 1
-            for job in jobs:
-                if is_expired(job, now):
-                    expired.append(job.id)
-                    continue
-                if self._down or self._fail_next > 0:
-                    if self._fail_next > 0:
-                        self._fail_next -= 1
-                    failed.append(job.id)
-                    continue
-                options = job.options
-                queue = str(options.get("queue") or self.default_queue)
-                exchange = str(options.get("exchange") or "")
-                routing_key = str(options.get("routing_key") or queue)
-                priority = options.get("priority")
-                self.messages.append(
-                    PublishedMessage(
-                        job_id=job.id,
-                        task=job.task,
-                        headers=message_headers(base, job, str(job.id)),
-                        body=job.body,
-                        content_type=job.content_type,
-                        content_encoding=job.content_encoding,
-                        queue=queue,
-                        exchange=exchange,
-                        routing_key=routing_key,
-                        priority=None if priority is None else int(priority),
-                        epoch=epoch,
-                    )
-                )
-                sent.append(job.id)
-        return PublishResult(sent=sent, failed=failed, expired=expired)
+        for start in range(0, len(jobs), self.chunk):
+            chunk = jobs[start : start + self.chunk]
+            if self.before_chunk is not None:
+                self.before_chunk()
+            if may_publish is not None and not may_publish():
+                # Like the real dispatcher: nothing more goes out, expired or not.
+                withheld.extend(job.id for job in jobs[start:])
+                break
+            with self._lock:
+                for job in chunk:
+                    if is_expired(job, now):
+                        expired.append(job.id)
+                        continue
+                    if job.id in self._rejects:
+                        rejected[job.id] = self._rejects[job.id]
+                        continue
+                    if self._down or self._fail_next > 0:
+                        if self._fail_next > 0:
+                            self._fail_next -= 1
+                        failed.append(job.id)
+                        continue
+                    self.messages.append(self._message(job, base, epoch))
+                    sent.append(job.id)
+        return PublishResult(
+            sent=sent, failed=failed, expired=expired, rejected=rejected, withheld=withheld
+        )
+
+    def _message(self, job: Job, base: dict[str, Any], epoch: int) -> PublishedMessage:
+        options = job.options
+        queue = str(options.get("queue") or self.default_queue)
+        exchange = str(options.get("exchange") or "")
+        routing_key = str(options.get("routing_key") or queue)
+        priority = options.get("priority")
+        return PublishedMessage(
+            job_id=job.id,
+            task=job.task,
+            headers=message_headers(base, job, str(job.id)),
+            body=job.body,
+            content_type=job.content_type,
+            content_encoding=job.content_encoding,
+            queue=queue,
+            exchange=exchange,
+            routing_key=routing_key,
+            priority=None if priority is None else int(priority),
+            epoch=epoch,
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -6,6 +6,8 @@ stands in for row locks and transactions, the injectable ``clock`` plays
 Postgres ``now()``, and results are kept as JSON text, as JSONB keeps them.
 :meth:`MemoryLedger.transaction` yields a :class:`MemoryTransaction` instead
 of a database connection: it has nothing to roll back but the completion.
+Given the memory job store (``jobs``), it applies the delivery fence as the
+PostgreSQL ledger does by reading the job row.
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 from celery_sched.errors import LedgerConflict
-from celery_sched.interfaces import Ledger
-from celery_sched.models import ClaimOutcome, LedgerClaim, LedgerEntry, LedgerState
+from celery_sched.interfaces import JobStore, Ledger
+from celery_sched.models import (
+    ClaimOutcome,
+    LedgerClaim,
+    LedgerEntry,
+    LedgerState,
+    delivery_fence,
+)
 from celery_sched.timeutil import UTC
 
 
@@ -50,12 +58,19 @@ class MemoryTransaction:
 
 
 class MemoryLedger(Ledger):
-    """Ledger rows in a dict, guarded by one lock."""
+    """Ledger rows in a dict, guarded by one lock.
 
-    def __init__(self, clock: Callable[[], dt.datetime] | None = None) -> None:
+    ``jobs``: the job store whose rows the delivery fence reads (without
+    it, no delivery is fenced).
+    """
+
+    def __init__(
+        self, clock: Callable[[], dt.datetime] | None = None, *, jobs: JobStore | None = None
+    ) -> None:
         self._clock = clock or _utcnow
         self._lock = threading.RLock()
         self._rows: dict[str, _Row] = {}
+        self.jobs = jobs
 
     def _now(self) -> dt.datetime:
         value = self._clock()
@@ -64,13 +79,29 @@ class MemoryLedger(Ledger):
         return value.astimezone(UTC)
 
     def acquire(
-        self, key: str, *, owner: str, lease: float, job_id: uuid.UUID | None = None
+        self,
+        key: str,
+        *,
+        owner: str,
+        lease: float,
+        job_id: uuid.UUID | None = None,
+        attempt: int | None = None,
+        take_completed: bool = False,
     ) -> LedgerClaim:
         with self._lock:
+            reason = None if job_id is None else self.check_delivery(job_id, attempt)
+            if reason is not None:
+                return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=reason)
             now = self._now()
             until = now + dt.timedelta(seconds=lease)
             row = self._rows.get(key)
-            if row is None:
+            if row is None or (
+                take_completed
+                and row.state == LedgerState.COMPLETED
+                and job_id is not None
+                and row.job_id is not None
+                and row.job_id != job_id
+            ):
                 self._rows[key] = _Row(key, LedgerState.RUNNING, job_id, owner, until, 1, None, now)
                 return LedgerClaim(outcome=ClaimOutcome.ACQUIRED, attempts=1)
             if row.state == LedgerState.COMPLETED:
@@ -98,6 +129,10 @@ class MemoryLedger(Ledger):
                 retry_in=max(0.0, (row.lease_expires_at - now).total_seconds()),
             )
 
+    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
+        job = None if self.jobs is None else self.jobs.get_by_id(job_id)
+        return None if job is None else delivery_fence(job.status, job.attempt, attempt)
+
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
         with self._lock:
             until = self._now() + dt.timedelta(seconds=lease)
@@ -110,12 +145,25 @@ class MemoryLedger(Ledger):
                     renewed.add(key)
             return renewed
 
-    def complete(self, key: str, *, owner: str, result: str | None = None) -> bool:
+    def complete(
+        self,
+        key: str,
+        *,
+        owner: str,
+        result: str | None = None,
+        job_id: uuid.UUID | None = None,
+    ) -> bool:
         if result is not None:
             json.loads(result)  # JSONB refuses what is not JSON
         with self._lock:
             row = self._rows.get(key)
-            if row is None or row.owner != owner:
+            if row is None:
+                # The take was lost: this owner ran, so record it.
+                now = self._now()
+                row = self._rows[key] = _Row(
+                    key, LedgerState.RUNNING, job_id, owner, None, 1, None, now
+                )
+            if row.owner != owner:
                 return False
             row.state = LedgerState.COMPLETED
             row.lease_expires_at = None
@@ -133,9 +181,11 @@ class MemoryLedger(Ledger):
             return True
 
     @contextlib.contextmanager
-    def transaction(self, key: str, *, owner: str) -> Iterator[MemoryTransaction]:
+    def transaction(
+        self, key: str, *, owner: str, job_id: uuid.UUID | None = None
+    ) -> Iterator[MemoryTransaction]:
         yield MemoryTransaction(key=key, owner=owner)
-        if not self.complete(key, owner=owner):
+        if not self.complete(key, owner=owner, job_id=job_id):
             raise LedgerConflict(
                 f"idempotency key {key!r} was taken over by another execution (this "
                 "one's lease expired); its transaction was rolled back"

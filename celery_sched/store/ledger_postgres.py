@@ -7,12 +7,15 @@ retry helper and error translation, and runs everything but the hot path on
 the store's connection pool.
 
 The hot path is one statement on each side of a task execution.
-:meth:`PostgresLedger.acquire` is a single ``INSERT ... ON CONFLICT DO UPDATE
-... WHERE <the lease expired> RETURNING`` (a new key, or one taken over from
-a dead holder); only when it returns nothing is the row read, to tell a
-completed key from a held one. :meth:`PostgresLedger.complete` is one
-``UPDATE`` (durable; the acquire commits without waiting for its WAL
-flush, see :class:`_LedgerQueries`). Both run precompiled on the store's
+:meth:`PostgresLedger.acquire` is a single statement: it reads the job row
+by primary key (the delivery fence) and, unless the delivery is fenced,
+runs ``INSERT ... ON CONFLICT DO UPDATE ... WHERE <the lease expired> RETURNING``
+(a new key, or one taken over from a dead holder or from an earlier job
+that used the same key); only when it takes nothing and is not fenced is
+the ledger row read, to tell a completed key from a held one.
+:meth:`PostgresLedger.complete` is one upsert (durable; the acquire commits
+without waiting for its WAL flush, see :class:`_LedgerQueries`, so a lost
+take is re-created by the completion). Both run precompiled on the store's
 autocommit psycopg connection of the calling thread
 (:meth:`~celery_sched.store.postgres.PostgresJobStore.run_raw`): a worker
 pays for them twice per task. Single statements need no ``BEGIN``/``COMMIT``:
@@ -30,17 +33,22 @@ from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy import (
+    Boolean,
+    Integer,
     Interval,
     Text,
     and_,
     any_,
     bindparam,
+    case,
     cast,
     delete,
+    exists,
     extract,
     func,
     literal_column,
     null,
+    or_,
     select,
     update,
 )
@@ -53,7 +61,14 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from celery_sched.errors import CelerySchedError, LedgerConflict
 from celery_sched.interfaces import Ledger
-from celery_sched.models import ClaimOutcome, LedgerClaim, LedgerEntry, LedgerState
+from celery_sched.models import (
+    FENCED_STATUSES,
+    ClaimOutcome,
+    LedgerClaim,
+    LedgerEntry,
+    LedgerState,
+    delivery_fence,
+)
 from celery_sched.store.postgres import (
     PostgresJobStore,
     TransientDatabaseError,
@@ -90,7 +105,9 @@ class _LedgerQueries:
     """Every statement of the ledger, built once from the metadata."""
 
     def __init__(self, schema: str) -> None:
-        ledger = build_metadata(schema).tables[f"{schema}.ledger"]
+        metadata = build_metadata(schema)
+        ledger = metadata.tables[f"{schema}.ledger"]
+        jobs = metadata.tables[f"{schema}.jobs"]
         c = ledger.c
         now = func.now()
         lease_until = now + _seconds("p_lease")
@@ -105,30 +122,75 @@ class _LedgerQueries:
         no_fsync = select(
             func.set_config(_sql("'synchronous_commit'"), _sql("'off'"), _sql("true")).label("off")
         ).cte("no_fsync")
-        row = select(
-            bindparam("p_key", type_=Text),
-            bindparam("p_job_id", type_=c.job_id.type),
-            _RUNNING,
-            bindparam("p_owner", type_=Text),
-            lease_until,
-            _sql("1"),
-        ).select_from(no_fsync)
+        # The delivery fence (models.delivery_fence, in SQL): the job row by
+        # primary key, read in the same statement as the take. No job row
+        # (pruned, or not a celery_sched message) fences nothing.
+        job = (
+            select(jobs.c.status, jobs.c.attempt)
+            .where(jobs.c.id == bindparam("p_job_id", type_=jobs.c.id.type))
+            .cte("job")
+        )
+        fenced = exists().where(
+            or_(
+                job.c.status.in_(
+                    [literal_column(f"'{status.value}'") for status in sorted(FENCED_STATUSES)]
+                ),
+                job.c.attempt > bindparam("p_attempt", type_=Integer),
+            )
+        )
+        row = (
+            select(
+                bindparam("p_key", type_=Text),
+                bindparam("p_job_id", type_=c.job_id.type),
+                _RUNNING,
+                bindparam("p_owner", type_=Text),
+                lease_until,
+                _sql("1"),
+            )
+            .select_from(no_fsync)
+            .where(~fenced)
+        )
         new = pg_insert(ledger).from_select(
             ["key", "job_id", "state", "owner", "lease_expires_at", "attempts"], row
         )
-        # The WHERE of DO UPDATE sees the existing row: only a running key
-        # whose holder stopped renewing its lease is taken over. A completed
-        # key or a live lease makes the statement return nothing.
-        self.acquire = new.on_conflict_do_update(
+        completed = c.state == _COMPLETED
+        # The WHERE of DO UPDATE sees the existing row: a running key whose
+        # holder stopped renewing its lease is taken over, and (with
+        # p_take_completed: the key is the job key) a key completed for
+        # another job, an earlier one that used the same key and was pruned
+        # since; it starts afresh. A key completed for this job, or a live
+        # lease, makes the take return nothing.
+        take = new.on_conflict_do_update(
             index_elements=[c.key],
             set_={
+                "state": _RUNNING,
                 "owner": new.excluded.owner,
                 "lease_expires_at": new.excluded.lease_expires_at,
-                "attempts": c.attempts + _sql("1"),
+                "attempts": case((completed, _sql("1")), else_=c.attempts + _sql("1")),
                 "job_id": func.coalesce(new.excluded.job_id, c.job_id),
+                "result": null(),
+                "completed_at": null(),
             },
-            where=and_(c.state == _RUNNING, c.lease_expires_at <= now),
+            where=or_(
+                and_(c.state == _RUNNING, c.lease_expires_at <= now),
+                and_(
+                    bindparam("p_take_completed", type_=Boolean),
+                    completed,
+                    c.job_id != new.excluded.job_id,
+                ),
+            ),
         ).returning(c.attempts)
+        taken = take.cte("taken")
+        # One row always: the attempts if taken, and the job row's status and
+        # attempt, from which a fenced delivery's reason is told.
+        self.acquire = select(
+            select(taken.c.attempts).scalar_subquery().label("taken"),
+            select(job.c.status).scalar_subquery().label("job_status"),
+            select(job.c.attempt).scalar_subquery().label("job_attempt"),
+        )
+        self.job_state = select(jobs.c.status, jobs.c.attempt).where(
+            jobs.c.id == bindparam("p_job_id", type_=jobs.c.id.type)
+        )
         self.inspect = select(
             c.state,
             c.owner,
@@ -148,28 +210,39 @@ class _LedgerQueries:
             .values(lease_expires_at=lease_until)
             .returning(c.key)
         )
+
         # Owner tokens are unique per execution, so matching the owner is
         # enough: a repeat by the same owner (a retry after a lost reply)
-        # finds its own completed row and only refreshes the result.
-        self.complete = (
-            update(ledger)
-            .where(key, owner)
-            .values(
+        # finds its own completed row and only refreshes the result. An
+        # upsert: a row that is missing although this owner took it (the
+        # take's asynchronous commit was lost in a crash) is created
+        # completed; only a row of another owner refuses (no row changed).
+        def completion(recorded: bool) -> Any:
+            result = cast(bindparam("p_result", type_=Text), JSONB) if recorded else null()
+            done = pg_insert(ledger).values(
+                key=bindparam("p_key", type_=Text),
+                job_id=bindparam("p_job_id", type_=c.job_id.type),
                 state=_COMPLETED,
-                lease_expires_at=null(),
-                completed_at=func.coalesce(c.completed_at, now),
-                result=cast(bindparam("p_result", type_=Text), JSONB),
+                owner=bindparam("p_owner", type_=Text),
+                attempts=_sql("1"),
+                result=result,
+                completed_at=now,
             )
-        )
-        self.complete_keep_result = (
-            update(ledger)
-            .where(key, owner)
-            .values(
-                state=_COMPLETED,
-                lease_expires_at=null(),
-                completed_at=func.coalesce(c.completed_at, now),
-            )
-        )
+            values = {
+                "state": _COMPLETED,
+                "lease_expires_at": null(),
+                "completed_at": func.coalesce(c.completed_at, now),
+            }
+            if recorded:
+                values["result"] = done.excluded.result
+            # RETURNING: a row back means completed (an upsert's row count is
+            # not reported through SQLAlchemy).
+            return done.on_conflict_do_update(
+                index_elements=[c.key], set_=values, where=c.owner == done.excluded.owner
+            ).returning(c.key)
+
+        self.complete = completion(recorded=True)
+        self.complete_keep_result = completion(recorded=False)
         self.release = delete(ledger).where(key, owner, c.state == _RUNNING)
         self.get = select(ledger, c.result.is_not(None).label("recorded")).where(key)
         older_than = now - _seconds("p_older_than")
@@ -201,6 +274,7 @@ class PostgresLedger(Ledger):
         self._settings = store._settings
         self._q = _LedgerQueries(store._settings.db_schema)
         self._acquire = _RawStatement(self._q.acquire)
+        self._job_state = _RawStatement(self._q.job_state)
         self._inspect = _RawStatement(self._q.inspect)
         self._complete = _RawStatement(self._q.complete)
         self._complete_keep = _RawStatement(self._q.complete_keep_result)
@@ -231,16 +305,36 @@ class PostgresLedger(Ledger):
     # -- the Ledger interface -----------------------------------------------
 
     def acquire(
-        self, key: str, *, owner: str, lease: float, job_id: uuid.UUID | None = None
+        self,
+        key: str,
+        *,
+        owner: str,
+        lease: float,
+        job_id: uuid.UUID | None = None,
+        attempt: int | None = None,
+        take_completed: bool = False,
     ) -> LedgerClaim:
-        params = self._acquire.params(p_key=key, p_owner=owner, p_lease=lease, p_job_id=job_id)
+        params = self._acquire.params(
+            p_key=key,
+            p_owner=owner,
+            p_lease=lease,
+            p_job_id=job_id,
+            p_attempt=attempt,
+            p_take_completed=take_completed,
+        )
         inspect = self._inspect.params(p_key=key)
 
-        def attempt(cur: psycopg.Cursor[Any]) -> LedgerClaim:
+        def once(cur: psycopg.Cursor[Any]) -> LedgerClaim:
             for _ in range(ACQUIRE_ROUNDS):
-                taken = cur.execute(self._acquire.sql, params).fetchone()
+                # Scalar subqueries only: always exactly one row.
+                answer: tuple[Any, ...] = cur.execute(self._acquire.sql, params).fetchone() or ()
+                taken, job_status, job_attempt = answer
                 if taken is not None:
-                    return LedgerClaim(outcome=ClaimOutcome.ACQUIRED, attempts=taken[0])
+                    return LedgerClaim(outcome=ClaimOutcome.ACQUIRED, attempts=taken)
+                if job_status is not None:
+                    reason = delivery_fence(job_status, int(job_attempt), attempt)
+                    if reason is not None:
+                        return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=reason)
                 row = cur.execute(self._inspect.sql, inspect).fetchone()
                 if row is None:
                     continue  # released between the two statements: insert again
@@ -267,7 +361,30 @@ class PostgresLedger(Ledger):
                 f"idempotency key {key!r} kept changing hands while being acquired"
             )
 
-        return self.store.run_raw("ledger acquire", attempt)
+        return self.store.run_raw("ledger acquire", once)
+
+    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
+        store = self.store
+        params = self._job_state.params(p_job_id=job_id)
+
+        def read() -> Any:
+            # One try, no retry loop: the caller (a worker's consumer) must
+            # not stall while the database is away; it runs the delivery.
+            conn = store._raw_connection()
+            try:
+                return conn.execute(self._job_state.sql, params).fetchone()
+            except psycopg.Error:
+                if conn.closed or conn.broken:
+                    store._local.conn = None
+                    with contextlib.suppress(psycopg.Error):
+                        conn.close()
+                raise
+
+        try:
+            row = store._guard(read, "delivery fence")
+        except TransientDatabaseError as exc:
+            raise store._unavailable(exc) from exc
+        return None if row is None else delivery_fence(row[0], row[1], attempt)
 
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
         if not held:
@@ -281,16 +398,24 @@ class PostgresLedger(Ledger):
             "ledger renew", lambda conn: set(conn.execute(self._q.renew, params).scalars())
         )
 
-    def complete(self, key: str, *, owner: str, result: str | None = None) -> bool:
+    def complete(
+        self,
+        key: str,
+        *,
+        owner: str,
+        result: str | None = None,
+        job_id: uuid.UUID | None = None,
+    ) -> bool:
         if result is None:
-            stmt, params = self._complete_keep, self._complete_keep.params(p_key=key, p_owner=owner)
+            stmt = self._complete_keep
+            params = stmt.params(p_key=key, p_owner=owner, p_job_id=job_id)
         else:
             stmt = self._complete
-            params = stmt.params(p_key=key, p_owner=owner, p_result=result)
+            params = stmt.params(p_key=key, p_owner=owner, p_result=result, p_job_id=job_id)
         done = self.store.run_raw(
-            "ledger complete", lambda cur: cur.execute(stmt.sql, params).rowcount
+            "ledger complete", lambda cur: cur.execute(stmt.sql, params).fetchone()
         )
-        return done > 0
+        return done is not None
 
     def release(self, key: str, *, owner: str) -> bool:
         params = {"p_key": key, "p_owner": owner}
@@ -298,7 +423,9 @@ class PostgresLedger(Ledger):
         return bool(rows.rowcount)
 
     @contextlib.contextmanager
-    def transaction(self, key: str, *, owner: str) -> Iterator[Connection]:
+    def transaction(
+        self, key: str, *, owner: str, job_id: uuid.UUID | None = None
+    ) -> Iterator[Connection]:
         store = self.store
         conn = store._retry(store.engine.connect, "ledger transaction")
         try:
@@ -317,9 +444,13 @@ class PostgresLedger(Ledger):
             except BaseException:
                 _quiet_rollback(tx)
                 raise
-            params = {"p_key": key, "p_owner": owner, "p_result": None}
-            done = self._in_tx(tx, lambda: conn.execute(self._q.complete_keep_result, params))
-            if done.rowcount != 1:
+            # A missing row (the take was lost) is re-created completed by
+            # the same upsert: only another owner's row refuses.
+            params = {"p_key": key, "p_owner": owner, "p_job_id": job_id}
+            done = self._in_tx(
+                tx, lambda: conn.execute(self._q.complete_keep_result, params).first()
+            )
+            if done is None:
                 _quiet_rollback(tx)
                 raise LedgerConflict(
                     f"idempotency key {key!r} was taken over by another execution (this "

@@ -23,12 +23,13 @@ from celery_sched.errors import (
     StaleEpoch,
     UnknownSchedule,
 )
-from celery_sched.interfaces import JobStore
+from celery_sched.interfaces import JobStore, Ledger
 from celery_sched.models import (
     FINISHED_STATUSES,
     UNFINISHED_STATUSES,
     Job,
     JobStatus,
+    LedgerState,
     NewJob,
     NewSchedule,
     PlanCommit,
@@ -55,8 +56,14 @@ class MemoryJobStore(JobStore):
     to move time without sleeping.
     """
 
-    def __init__(self, clock: Callable[[], dt.datetime] | None = None) -> None:
+    def __init__(
+        self, clock: Callable[[], dt.datetime] | None = None, *, ledger: Ledger | None = None
+    ) -> None:
         self._clock = clock or _utcnow
+        # Postgres reads the ledger table from the jobs' database; here the
+        # rescuer asks this ledger which jobs completed.
+        self._ledger = ledger
+        self._workers: dict[tuple[str, int], list[dt.datetime]] = {}
         self._lock = threading.RLock()
         self._jobs: dict[uuid.UUID, Job] = {}
         self._by_key: dict[str, uuid.UUID] = {}
@@ -252,9 +259,45 @@ class MemoryJobStore(JobStore):
         return self._move_fenced(ids, epoch, status=JobStatus.PENDING, dispatched_at=None)
 
     def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
-        return self._move_fenced(
-            ids, epoch, status=JobStatus.EXPIRED, finished_at=self.now(), last_error=reason
-        )
+        with self._lock:
+            now = self.now()
+            # Re-checked by the store's clock, as the Postgres statement does.
+            due = [
+                job_id
+                for job_id in ids
+                if (job := self._jobs.get(job_id)) is not None
+                and job.expires_at is not None
+                and job.expires_at <= now
+            ]
+            return self._move_fenced(
+                due, epoch, status=JobStatus.EXPIRED, finished_at=now, last_error=reason
+            )
+
+    def fail_dispatch(
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> ReconcileResult:
+        with self._lock:  # one lock stands in for the one statement
+            now = self.now()
+            moved = dead = 0
+            for job_id, reason in dict(failures).items():
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.status == JobStatus.DISPATCHED
+                    and job.leader_epoch == epoch
+                ):
+                    dead += self._requeue(job, now, f"not published: {reason}")
+                    moved += 1
+            return ReconcileResult(requeued=moved - dead, dead=dead)
+
+    def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
+        found: dict[int, dict[JobStatus, int]] = {}
+        with self._lock:
+            for job in self._jobs.values():
+                if job.shard >= from_shard and job.status in UNFINISHED_STATUSES:
+                    per_status = found.setdefault(job.shard, {})
+                    per_status[job.status] = per_status.get(job.status, 0) + 1
+        return found
 
     def _move_fenced(self, ids: Sequence[uuid.UUID], epoch: int, **changes: Any) -> int:
         """Apply ``changes`` to the dispatched jobs among ``ids`` claimed by ``epoch``."""
@@ -344,15 +387,109 @@ class MemoryJobStore(JobStore):
         )
         return 1 if gives_up else 0
 
+    def rescue(
+        self, *, shard: int, epoch: int, limit: int, worker_timeout: float
+    ) -> ReconcileResult:
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            silent_since = now - dt.timedelta(seconds=worker_timeout)
+            orphaned: list[tuple[Job, dt.datetime]] = []
+            for job in self._jobs.values():
+                if (
+                    job.shard != shard
+                    or job.status != JobStatus.RUNNING
+                    or job.started_at is None
+                    or job.started_at >= silent_since
+                ):
+                    continue
+                beats = [
+                    (started, seen)
+                    for (host, pid), (started, seen) in self._workers.items()
+                    if host == job.worker and (job.worker_pid is None or pid == job.worker_pid)
+                ]
+                alive = any(
+                    seen >= silent_since and started <= job.started_at for started, seen in beats
+                )
+                if beats and not alive:
+                    orphaned.append((job, max(seen for _, seen in beats)))
+            orphaned.sort(key=lambda pair: (pair[0].started_at, str(pair[0].id)))
+            dead = succeeded = 0
+            for job, seen in orphaned[: max(limit, 0)]:
+                reason = (
+                    f"its worker {job.worker} (pid "
+                    f"{'unknown' if job.worker_pid is None else job.worker_pid}) stopped "
+                    f"beating: last heartbeat at {seen}, worker timeout {worker_timeout:g}s; "
+                )
+                if self._completed(job):
+                    self._update(
+                        job,
+                        status=JobStatus.SUCCEEDED,
+                        finished_at=now,
+                        last_error=reason + "its ledger entry records it completed",
+                    )
+                    succeeded += 1
+                else:
+                    dead += self._requeue(job, now, reason + "requeued", started_at=None)
+            moved = len(orphaned[: max(limit, 0)])
+            return ReconcileResult(
+                requeued=moved - dead - succeeded,
+                dead=dead,
+                rescued=moved,
+                succeeded=succeeded,
+            )
+
+    def _completed(self, job: Job) -> bool:
+        """Whether the ledger records that this very job completed."""
+        if self._ledger is None:
+            return False
+        entry = self._ledger.get(job.key)
+        return entry is not None and entry.state == LedgerState.COMPLETED and entry.job_id == job.id
+
+    def prune_workers(self, *, older_than: float) -> int:
+        with self._lock:
+            cutoff = self.now() - dt.timedelta(seconds=older_than)
+            gone = [name for name, (_, seen) in self._workers.items() if seen < cutoff]
+            for name in gone:
+                del self._workers[name]
+            return len(gone)
+
     # -- worker transitions -------------------------------------------------
 
-    def mark_running(self, job_id: uuid.UUID, *, worker: str) -> bool:
+    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+        with self._lock:
+            now = self.now()
+            row = self._workers.get((hostname, pid))
+            started = now if row is None or first else row[0]
+            self._workers[(hostname, pid)] = [started, now]
+
+    def mark_running(
+        self, job_id: uuid.UUID, *, worker: str, worker_pid: int | None = None
+    ) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.status not in _CLAIMABLE_BY_WORKER:
                 return False
-            self._update(job, status=JobStatus.RUNNING, started_at=self.now(), worker=worker)
+            self._update(
+                job,
+                status=JobStatus.RUNNING,
+                started_at=self.now(),
+                worker=worker,
+                worker_pid=worker_pid,
+            )
             return True
+
+    def _lost(self, update: WorkerUpdate) -> bool:
+        job = self._jobs.get(update.job_id)
+        if (
+            job is None
+            or job.status not in (JobStatus.DISPATCHED, JobStatus.RUNNING)
+            or (update.attempt is not None and job.attempt != update.attempt)
+        ):
+            return False
+        reason = update.error or "its worker process was lost"
+        self._requeue(job, self.now(), reason, started_at=None)
+        return True
 
     def mark_finished(
         self, job_id: uuid.UUID, status: JobStatus, *, error: str | None = None
@@ -380,7 +517,18 @@ class MemoryJobStore(JobStore):
         with self._lock:  # one lock stands in for the one transaction
             for update in updates:
                 if update.status == JobStatus.RUNNING:
-                    done = self.mark_running(update.job_id, worker=update.worker or "")
+                    # A delivery of an older attempt must not move a requeued row.
+                    job = self._jobs.get(update.job_id)
+                    stale = (
+                        job is not None
+                        and update.attempt is not None
+                        and job.attempt > update.attempt
+                    )
+                    done = not stale and self.mark_running(
+                        update.job_id, worker=update.worker or "", worker_pid=update.worker_pid
+                    )
+                elif update.status == JobStatus.PENDING:
+                    done = self._lost(update)
                 elif update.status == JobStatus.RETRYING:
                     done = self.mark_retrying(update.job_id, error=update.error)
                 else:
@@ -449,6 +597,8 @@ class MemoryJobStore(JobStore):
                     if not schedule.enabled
                     else "paused"
                     if schedule.paused
+                    else "broken"
+                    if schedule.broken_at is not None
                     else "active"
                 )
                 counts[state] = counts.get(state, 0) + 1
@@ -491,6 +641,7 @@ class MemoryJobStore(JobStore):
             if stored.version != expected_version:
                 return None
             changes = _definition(schedule)
+            changes.update(_UNBROKEN)
             if restart:
                 changes.update(last_nominal_at=None, next_nominal_at=schedule.next_nominal_at)
             self._change_schedule(stored, **changes)
@@ -503,9 +654,11 @@ class MemoryJobStore(JobStore):
             if stored is None:
                 raise UnknownSchedule(name=name)
             if stored.paused != paused:
-                self._change_schedule(stored, paused=paused)
+                self._change_schedule(stored, paused=paused, **({} if paused else _UNBROKEN))
                 if paused:
                     self._withdraw([stored.id], roll_back={stored.id})
+            elif not paused and stored.broken_at is not None:
+                self._change_schedule(stored, **_UNBROKEN)
             return self._schedules[name]
 
     def delete_schedule(self, name: str) -> bool:
@@ -555,6 +708,7 @@ class MemoryJobStore(JobStore):
                     changes.update(
                         enabled=new.enabled,
                         disabled_at=None if new.enabled else (stored.disabled_at or now),
+                        **_UNBROKEN,
                     )
                     restart = (not stored.enabled and new.enabled) or (
                         stored.as_new().timing() != new.timing()
@@ -598,6 +752,7 @@ class MemoryJobStore(JobStore):
                 for s in self._schedules.values()
                 if s.enabled
                 and not s.paused
+                and s.broken_at is None
                 and s.next_nominal_at is not None
                 and s.next_nominal_at <= horizon
                 and s.id % max(shards, 1) == shard
@@ -630,6 +785,7 @@ class MemoryJobStore(JobStore):
                     or stored.version != advance.version
                     or not stored.enabled
                     or stored.paused
+                    or stored.broken_at is not None
                     or (
                         stored.last_nominal_at is not None
                         and advance.last_nominal_at is not None
@@ -652,6 +808,18 @@ class MemoryJobStore(JobStore):
                     self._put(self._new_row(job, now))
                     written.append((job.id, job.due_at, job.shard))
             return PlanCommit(written=written, stale=stale, busy=busy)
+
+    def mark_schedule_broken(self, schedule_id: int, *, version: int, reason: str) -> bool:
+        with self._lock:
+            for stored in self._schedules.values():
+                if stored.id == schedule_id:
+                    if stored.version != version or stored.broken_at is not None:
+                        return False
+                    self._schedules[stored.name] = dataclasses.replace(
+                        stored, broken_at=self.now(), broken_reason=reason
+                    )
+                    return True
+            return False
 
     def _new_schedule(self, schedule: NewSchedule, now: dt.datetime) -> StoredSchedule:
         return StoredSchedule(
@@ -725,6 +893,10 @@ class MemoryJobStore(JobStore):
         updated = dataclasses.replace(job, **changes)
         self._jobs[job.id] = updated
         return updated
+
+
+#: What a user's change writes: the planner tries the schedule again.
+_UNBROKEN: dict[str, Any] = {"broken_at": None, "broken_reason": None}
 
 
 def _due_order(job: Job) -> tuple[dt.datetime, str]:

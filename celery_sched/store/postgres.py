@@ -65,6 +65,7 @@ from sqlalchemy import (
     select,
     true,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy import exc as sa_exc
@@ -348,10 +349,58 @@ class _Queries:
             c.leader_epoch == bindparam("p_epoch"),
         )
         self.release = update(jobs).where(*fenced).values(status="pending", dispatched_at=None)
+        # Expiry re-checked by the database's clock: a leader whose clock ran
+        # ahead (a wall-clock step) must not expire a job early.
         self.mark_expired = (
             update(jobs)
-            .where(*fenced)
+            .where(*fenced, c.expires_at <= now)
             .values(status="expired", finished_at=now, last_error=bindparam("reason"))
+        )
+        # A job whose own message could not be published: one attempt used,
+        # as the reconciler counts one (the same rule for giving up). The
+        # reasons come as an array parallel to the ids, unnested in lockstep.
+        failed = (
+            func.unnest(
+                bindparam("f_ids", type_=postgresql.ARRAY(c.id.type)),
+                bindparam("f_reasons", type_=postgresql.ARRAY(Text)),
+            )
+            .table_valued("id", "reason")
+            .render_derived(name="failed", with_types=False)
+        )
+        fails_for_good = c.attempt + 1 >= c.max_attempts
+        self.fail_dispatch = (
+            update(jobs)
+            .where(
+                c.id == failed.c.id,
+                c.status == _DISPATCHED,
+                c.leader_epoch == bindparam("p_epoch"),
+            )
+            .values(
+                status=case((fails_for_good, "dead"), else_="pending"),
+                attempt=c.attempt + 1,
+                dispatched_at=None,
+                finished_at=case((fails_for_good, now), else_=None),
+                last_error=func.format(
+                    "not published: %s (attempt %s of %s)%s",
+                    failed.c.reason,
+                    c.attempt + 1,
+                    c.max_attempts,
+                    case((fails_for_good, "; giving up"), else_=""),
+                ),
+            )
+            .returning(c.status)
+        )
+        # Rows left in shards a lowered shard count no longer leads. One
+        # branch per status, the literal status letting each use its partial
+        # index (pending's leads with shard; the others are small).
+        from_shard = bindparam("from_shard", type_=c.shard.type)
+        self.unfinished_by_shard = union_all(
+            *(
+                select(c.shard, literal(status, type_=Text()), func.count())
+                .where(c.status == literal_column(f"'{status}'"), c.shard >= from_shard)
+                .group_by(c.shard)
+                for status in sorted(UNFINISHED_STATUSES)
+            )
         )
 
         # -- reconciler --
@@ -423,12 +472,111 @@ class _Queries:
             .returning(c.status)
         )
 
+        # -- rescuer: running jobs whose worker process stopped beating --
+        workers = metadata.tables[f"{schema}.workers"]
+        ledger = metadata.tables[f"{schema}.ledger"]
+        w = workers.c
+        silent_since = now - _seconds(
+            bindparam("p_worker_timeout", type_=postgresql.DOUBLE_PRECISION)
+        )
+        # A job started without a pid (an older worker) matches every
+        # process of its host.
+        its_process = and_(
+            w.hostname == c.worker, or_(c.worker_pid.is_(None), w.pid == c.worker_pid)
+        )
+        # The ledger entry of a celery_sched.Task job records the job it
+        # completed for; its key is the job key by default. A primary key
+        # probe per rescued row.
+        completed = exists().where(
+            ledger.c.key == func.coalesce(c.key, cast(c.id, Text)),
+            ledger.c.job_id == c.id,
+            ledger.c.state == literal_column("'completed'"),
+        )
+        orphaned = (
+            select(
+                c.id,
+                completed.label("done"),
+                select(func.max(w.seen_at)).where(its_process).scalar_subquery().label("seen"),
+            )
+            .where(
+                c.status == _RUNNING,
+                c.shard == bindparam("p_shard"),
+                # A job just started: its process may not have beaten yet.
+                c.started_at < silent_since,
+                # No heartbeat row at all: a worker that does not beat
+                # (an older version); only max_runtime applies to it.
+                exists().where(its_process),
+                # A process that started after the job did is another one
+                # that reuses the pid (a restarted container): not alive.
+                ~exists().where(
+                    its_process, w.seen_at >= silent_since, w.started_at <= c.started_at
+                ),
+            )
+            .order_by(c.started_at)
+            .limit(bindparam("p_limit"))
+            .with_for_update(of=jobs, skip_locked=True)
+            .subquery("orphaned")
+        )
+        done = orphaned.c.done
+        self.rescue = (
+            update(jobs)
+            .where(c.id == orphaned.c.id)
+            .values(
+                status=case((done, "succeeded"), (gives_up, "dead"), else_="pending"),
+                attempt=case((done, c.attempt), else_=c.attempt + 1),
+                dispatched_at=case((done, c.dispatched_at), else_=None),
+                started_at=case((done, c.started_at), else_=None),
+                finished_at=case((done, now), (gives_up, now), else_=None),
+                last_error=func.format(
+                    "its worker %s (pid %s) stopped beating: last heartbeat at %s, "
+                    "worker timeout %ss; %s",
+                    c.worker,
+                    func.coalesce(cast(c.worker_pid, Text), "unknown"),
+                    orphaned.c.seen,
+                    bindparam("p_worker_timeout", type_=postgresql.DOUBLE_PRECISION),
+                    case(
+                        (done, "its ledger entry records it completed"),
+                        else_=func.format(
+                            "requeued (attempt %s of %s)%s",
+                            c.attempt + 1,
+                            c.max_attempts,
+                            case((gives_up, "; giving up"), else_=""),
+                        ),
+                    ),
+                ),
+            )
+            .returning(c.status)
+        )
+        # A process's first beat (re)sets started_at: a reused pid is a new
+        # process, and jobs started before it are not running in it.
+        self.heartbeat = _RawStatement(
+            pg_insert(workers)
+            .values(hostname=bindparam("p_hostname"), pid=bindparam("p_pid"))
+            .on_conflict_do_update(
+                index_elements=[w.hostname, w.pid],
+                set_={
+                    "seen_at": now,
+                    "started_at": case(
+                        (bindparam("p_first", type_=Boolean), now), else_=w.started_at
+                    ),
+                },
+            )
+        )
+        self.prune_workers = delete(workers).where(
+            w.seen_at < now - _seconds(bindparam("older_than", type_=postgresql.DOUBLE_PRECISION))
+        )
+
         # -- worker and user transitions --
         by_id = c.id == bindparam("p_id")
         self.mark_running = (
             update(jobs)
             .where(by_id, c.status.in_(["dispatched", "retrying", "pending"]))
-            .values(status="running", started_at=now, worker=bindparam("p_worker"))
+            .values(
+                status="running",
+                started_at=now,
+                worker=bindparam("p_worker"),
+                worker_pid=bindparam("p_worker_pid", type_=Integer),
+            )
         )
         self.mark_finished = (
             update(jobs)
@@ -463,14 +611,22 @@ class _Queries:
                 .render_derived(name="reported", with_types=False)
             )
 
-        running = reported(worker="p_workers")
+        running = reported(worker="p_workers", worker_pid="p_pids", attempt="p_attempts")
         self.batch_running = _RawStatement(
             update(jobs)
             .where(
                 c.id == running.c.id,
                 c.status == any_(_text_array("dispatched", "retrying", "pending")),
+                # A delivery of an older attempt (the job was requeued since)
+                # must not move the row: the new attempt could not be claimed.
+                or_(running.c.attempt.is_(None), c.attempt <= cast(running.c.attempt, Integer)),
             )
-            .values(status="running", started_at=now, worker=running.c.worker)
+            .values(
+                status="running",
+                started_at=now,
+                worker=running.c.worker,
+                worker_pid=cast(running.c.worker_pid, Integer),
+            )
         )
         retrying = reported(error="p_errors")
         self.batch_retrying = _RawStatement(
@@ -487,7 +643,9 @@ class _Queries:
         # A job whose start and finish arrive in one batch (a short task)
         # takes both transitions in one row update instead of two: the same
         # end state as running then finished, half the row versions.
-        ran = reported(worker="p_workers", status="p_statuses", error="p_errors")
+        ran = reported(
+            worker="p_workers", worker_pid="p_pids", status="p_statuses", error="p_errors"
+        )
         was_running = c.status == "running"
         self.batch_ran = _RawStatement(
             update(jobs)
@@ -496,6 +654,7 @@ class _Queries:
                 status=ran.c.status,
                 started_at=case((was_running, c.started_at), else_=now),
                 worker=case((was_running, c.worker), else_=ran.c.worker),
+                worker_pid=case((was_running, c.worker_pid), else_=cast(ran.c.worker_pid, Integer)),
                 finished_at=now,
                 last_error=ran.c.error,
             )
@@ -503,6 +662,31 @@ class _Queries:
             # transaction's now(), as finished_at; a job already running
             # keeps an earlier started_at.
             .returning(c.started_at == c.finished_at)
+        )
+        # The process running (or about to run) the job was lost: requeue it
+        # at once, unless the job has moved on (a later attempt).
+        lost = reported(error="p_errors", attempt="p_attempts")
+        self.batch_lost = _RawStatement(
+            update(jobs)
+            .where(
+                c.id == lost.c.id,
+                c.status == any_(_text_array("dispatched", "running")),
+                or_(lost.c.attempt.is_(None), c.attempt == cast(lost.c.attempt, Integer)),
+            )
+            .values(
+                status=case((gives_up, "dead"), else_="pending"),
+                attempt=c.attempt + 1,
+                dispatched_at=None,
+                started_at=None,
+                finished_at=case((gives_up, now), else_=None),
+                last_error=func.format(
+                    "%s (attempt %s of %s)%s",
+                    lost.c.error,
+                    c.attempt + 1,
+                    c.max_attempts,
+                    case((gives_up, "; giving up"), else_=""),
+                ),
+            )
         )
         self.cancel = (
             update(jobs)
@@ -1073,6 +1257,33 @@ class PostgresJobStore(JobStore):
             {"ids": list(ids), "p_epoch": epoch, "reason": reason},
         )
 
+    def fail_dispatch(
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> ReconcileResult:
+        if not failures:
+            return ReconcileResult()
+        # One reason per id: the last one given wins, as in the memory store.
+        reasons = dict(failures)
+        params = {"f_ids": list(reasons), "f_reasons": list(reasons.values()), "p_epoch": epoch}
+        statuses = self._tx(
+            "fail_dispatch",
+            lambda conn: list(conn.execute(self._q.fail_dispatch, params).scalars()),
+        )
+        dead = sum(1 for status in statuses if status == JobStatus.DEAD.value)
+        return ReconcileResult(requeued=len(statuses) - dead, dead=dead)
+
+    def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
+        rows = self._tx(
+            "unfinished_by_shard",
+            lambda conn: conn.execute(
+                self._q.unfinished_by_shard, {"from_shard": from_shard}
+            ).all(),
+        )
+        found: dict[int, dict[JobStatus, int]] = {}
+        for shard, status, count in rows:
+            found.setdefault(int(shard), {})[JobStatus(status)] = int(count)
+        return found
+
     def reconcile(
         self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
     ) -> ReconcileResult:
@@ -1113,15 +1324,55 @@ class PostgresJobStore(JobStore):
             )
         return result
 
+    def rescue(
+        self, *, shard: int, epoch: int, limit: int, worker_timeout: float
+    ) -> ReconcileResult:
+        if limit <= 0:
+            # Still fenced: a stale leader must learn it is stale.
+            self._tx("rescue", lambda conn: self._fence(conn, shard, epoch))
+            return ReconcileResult()
+        params = {"p_shard": shard, "p_limit": limit, "p_worker_timeout": worker_timeout}
+
+        def run(conn: Connection) -> list[str]:
+            self._fence(conn, shard, epoch)
+            return list(conn.execute(self._q.rescue, params).scalars())
+
+        statuses = self._tx("rescue", run)
+        succeeded = statuses.count(JobStatus.SUCCEEDED.value)
+        dead = statuses.count(JobStatus.DEAD.value)
+        result = ReconcileResult(
+            requeued=len(statuses) - succeeded - dead,
+            dead=dead,
+            rescued=len(statuses),
+            succeeded=succeeded,
+        )
+        if statuses:
+            logger.warning(
+                "shard %d: rescued %d running jobs of stopped workers: %d requeued, %d dead, "
+                "%d succeeded by the ledger",
+                shard,
+                len(statuses),
+                result.requeued,
+                dead,
+                succeeded,
+            )
+        return result
+
+    def prune_workers(self, *, older_than: float) -> int:
+        return self._rowcount("prune_workers", self._q.prune_workers, {"older_than": older_than})
+
     # -- worker transitions -------------------------------------------------
 
-    def mark_running(self, job_id: uuid.UUID, *, worker: str) -> bool:
-        return (
-            self._rowcount(
-                "mark_running", self._q.mark_running, {"p_id": job_id, "p_worker": worker}
-            )
-            > 0
-        )
+    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+        stmt = self._q.heartbeat
+        params = stmt.params(p_hostname=hostname, p_pid=pid, p_first=first)
+        self.run_raw("heartbeat", lambda cur: cur.execute(stmt.sql, params))
+
+    def mark_running(
+        self, job_id: uuid.UUID, *, worker: str, worker_pid: int | None = None
+    ) -> bool:
+        params = {"p_id": job_id, "p_worker": worker, "p_worker_pid": worker_pid}
+        return self._rowcount("mark_running", self._q.mark_running, params) > 0
 
     def mark_finished(
         self, job_id: uuid.UUID, status: JobStatus, *, error: str | None = None
@@ -1138,27 +1389,33 @@ class PostgresJobStore(JobStore):
 
     def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
         # One transaction, one statement per kind of transition, applied in
-        # the order a job moves: running, retrying, finished. Per job that is
-        # the order the worker reported them in, except a retry re-run inside
-        # one batch, which ends as "retrying" until its own finish arrives.
-        # Of two reports of one kind for a job only the first could apply
-        # (the transition's own status test refuses the second), so only the
-        # first is sent.
-        running: dict[uuid.UUID, str] = {}
+        # the order a job moves: running, retrying, finished, lost. Per job
+        # that is the order the worker reported them in, except a retry re-run
+        # inside one batch, which ends as "retrying" until its own finish
+        # arrives. Of two reports of one kind for a job only the first could
+        # apply (the transition's own status test refuses the second), so only
+        # the first is sent.
+        running: dict[uuid.UUID, tuple[str, str | None, str | None]] = {}
         retrying: dict[uuid.UUID, str | None] = {}
         finished: dict[uuid.UUID, tuple[str, str | None]] = {}
+        lost: dict[uuid.UUID, tuple[str | None, str | None]] = {}
         for u in updates:
             if u.status == JobStatus.RUNNING:
-                running.setdefault(u.job_id, u.worker or "")
+                pid = None if u.worker_pid is None else str(u.worker_pid)
+                attempt = None if u.attempt is None else str(u.attempt)
+                running.setdefault(u.job_id, (u.worker or "", pid, attempt))
             elif u.status == JobStatus.RETRYING:
                 retrying.setdefault(u.job_id, u.error)
             elif u.status.finished:
                 finished.setdefault(u.job_id, (u.status.value, u.error))
+            elif u.status == JobStatus.PENDING:
+                attempt = None if u.attempt is None else str(u.attempt)
+                lost.setdefault(u.job_id, (u.error or "its worker process was lost", attempt))
         # Started and finished in this batch, with no retry between: one
         # combined transition (the common case of a short task).
         ran = {
-            job_id: (worker, *finished.pop(job_id))
-            for job_id, worker in running.items()
+            job_id: (*started[:2], *finished.pop(job_id))
+            for job_id, started in running.items()
             if job_id in finished and job_id not in retrying
         }
         for job_id in ran:
@@ -1168,13 +1425,19 @@ class PostgresJobStore(JobStore):
         if ran:
             params = {
                 "p_ids": list(ran),
-                "p_workers": [worker for worker, _, _ in ran.values()],
-                "p_statuses": [status for _, status, _ in ran.values()],
-                "p_errors": [error for _, _, error in ran.values()],
+                "p_workers": [worker for worker, _, _, _ in ran.values()],
+                "p_pids": [pid for _, pid, _, _ in ran.values()],
+                "p_statuses": [status for _, _, status, _ in ran.values()],
+                "p_errors": [error for _, _, _, error in ran.values()],
             }
             batches.append((self._q.batch_ran, params))
         if running:
-            params = {"p_ids": list(running), "p_workers": list(running.values())}
+            params = {
+                "p_ids": list(running),
+                "p_workers": [worker for worker, _, _ in running.values()],
+                "p_pids": [pid for _, pid, _ in running.values()],
+                "p_attempts": [attempt for _, _, attempt in running.values()],
+            }
             batches.append((self._q.batch_running, params))
         if retrying:
             params = {"p_ids": list(retrying), "p_errors": list(retrying.values())}
@@ -1186,6 +1449,13 @@ class PostgresJobStore(JobStore):
                 "p_errors": [error for _, error in finished.values()],
             }
             batches.append((self._q.batch_finished, params))
+        if lost:
+            params = {
+                "p_ids": list(lost),
+                "p_errors": [error for error, _ in lost.values()],
+                "p_attempts": [attempt for _, attempt in lost.values()],
+            }
+            batches.append((self._q.batch_lost, params))
 
         if not batches:
             return 0
@@ -1314,7 +1584,7 @@ class PostgresJobStore(JobStore):
                 raise UnknownSchedule(name=schedule.name)
             if row.version != expected_version:
                 return None
-            changes: dict[str, Any] = {**values}
+            changes: dict[str, Any] = {**values, **_UNBROKEN}
             if restart:
                 changes.update(last_nominal_at=None, next_nominal_at=schedule.next_nominal_at)
             conn.execute(
@@ -1336,7 +1606,9 @@ class PostgresJobStore(JobStore):
             row = conn.execute(self._sq.get_for_update, {"p_name": name}).first()
             if row is None:
                 raise UnknownSchedule(name=name)
-            if row.paused != paused:
+            # Resuming is how a user retries a broken schedule, paused or not.
+            retry = not paused and row.broken_at is not None
+            if row.paused != paused or retry:
                 conn.execute(
                     update(self._sq.schedules)
                     .where(self._sq.schedules.c.id == row.id)
@@ -1344,6 +1616,7 @@ class PostgresJobStore(JobStore):
                         paused=paused,
                         version=self._sq.schedules.c.version + 1,
                         updated_at=func.now(),
+                        **({} if paused else _UNBROKEN),
                     )
                 )
                 if paused:
@@ -1483,6 +1756,14 @@ class PostgresJobStore(JobStore):
             return PlanCommit(written=written, stale=len(ordered) - len(applied), busy=busy)
 
         return self._tx("commit_plans", write)
+
+    def mark_schedule_broken(self, schedule_id: int, *, version: int, reason: str) -> bool:
+        marked = self._rowcount(
+            "mark_schedule_broken",
+            self._sq.mark_broken,
+            {"p_id": schedule_id, "p_version": version, "p_reason": reason},
+        )
+        return marked > 0
 
     def _withdraw(self, conn: Connection, ids: Sequence[int], *, roll_back: set[int]) -> None:
         """Delete the not-yet-due pending occurrences of schedules ``ids``; for
@@ -1634,6 +1915,9 @@ OCCURRENCE_ARRAYS: tuple[tuple[str, str], ...] = (
 )
 
 _UNFINISHED = sorted(status.value for status in UNFINISHED_STATUSES)
+#: What a user's change writes besides the change: the planner tries a broken
+#: schedule again.
+_UNBROKEN: dict[str, Any] = {"broken_at": None, "broken_reason": None}
 _STAGED_TABLE = "celery_sched_static_sync"
 
 
@@ -1664,9 +1948,12 @@ class _ScheduleQueries:
         self.get = select(s).where(s.c.name == bindparam("p_name"))
         self.get_for_update = self.get.with_for_update()
         self.lock_by_id = select(s.c.id).where(s.c.id == bindparam("p_id")).with_for_update()
-        state = case((not_(s.c.enabled), "disabled"), (s.c.paused, "paused"), else_="active").label(
-            "state"
-        )
+        state = case(
+            (not_(s.c.enabled), "disabled"),
+            (s.c.paused, "paused"),
+            (s.c.broken_at.is_not(None), "broken"),
+            else_="active",
+        ).label("state")
         self.counts = select(state, func.count()).group_by(state)
 
         # Per schedule: its earliest pending occurrence not yet due, and its
@@ -1697,8 +1984,10 @@ class _ScheduleQueries:
         due = (
             select(s)
             .where(
+                # The predicate of schedules_plan_idx, whole, so the scan uses it.
                 s.c.enabled,
                 not_(s.c.paused),
+                s.c.broken_at.is_(None),
                 s.c.next_nominal_at <= bindparam("horizon", type_=stamp),
                 (s.c.id % bindparam("p_shards", type_=BigInteger))
                 == bindparam("p_shard", type_=BigInteger),
@@ -1729,6 +2018,7 @@ class _ScheduleQueries:
                 s.c.version == adv.c.version,
                 s.c.enabled,
                 not_(s.c.paused),
+                s.c.broken_at.is_(None),
                 or_(
                     s.c.last_nominal_at.is_(None),
                     adv.c.last.is_(None),
@@ -1737,6 +2027,17 @@ class _ScheduleQueries:
             )
             .values(last_nominal_at=adv.c.last, next_nominal_at=adv.c.next)
             .returning(s.c.id)
+        )
+        # Fenced by the version the planner read, so a user's change that
+        # lands first (possibly the fix) is not marked broken after it.
+        self.mark_broken = (
+            update(s)
+            .where(
+                s.c.id == bindparam("p_id", type_=BigInteger),
+                s.c.version == bindparam("p_version", type_=BigInteger),
+                s.c.broken_at.is_(None),
+            )
+            .values(broken_at=now, broken_reason=bindparam("p_reason", type_=Text))
         )
         self.busy = (
             select(jobs.c.schedule_id)
@@ -1845,6 +2146,7 @@ class _ScheduleQueries:
             )
             .values(
                 **define,
+                **_UNBROKEN,
                 last_nominal_at=None,
                 next_nominal_at=t.c.next_nominal_at,
                 version=s.c.version + 1,
@@ -1855,7 +2157,7 @@ class _ScheduleQueries:
         self.sync_change = (
             update(s)
             .where(same_name, static, definition_changed)
-            .values(**define, version=s.c.version + 1, updated_at=now)
+            .values(**define, **_UNBROKEN, version=s.c.version + 1, updated_at=now)
             .returning(s.c.id)
         )
         self.sync_disable = (

@@ -134,6 +134,14 @@ def build_metadata(schema: str) -> MetaData:
         jobs.c.started_at,
         postgresql_where=text("status = 'running'"),
     )
+    # Retrying jobs per shard, for the start-up check of a lowered shard
+    # count (pending's index leads with shard; dispatched and running are
+    # small). (0004)
+    Index(
+        "jobs_retrying_idx",
+        jobs.c.shard,
+        postgresql_where=text("status = 'retrying'"),
+    )
     Index(
         "jobs_finished_idx",
         jobs.c.finished_at,

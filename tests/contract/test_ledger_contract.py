@@ -6,6 +6,7 @@ Both backends use a real clock (the memory ledger's default clock, Postgres
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 import uuid
@@ -16,9 +17,10 @@ import pytest
 from sqlalchemy import text
 
 from celery_sched.errors import LedgerConflict
-from celery_sched.interfaces import Ledger
-from celery_sched.models import ClaimOutcome, LedgerState
+from celery_sched.interfaces import JobStore, Ledger
+from celery_sched.models import ClaimOutcome, Job, JobStatus, LedgerState
 from celery_sched.settings import Settings
+from tests.contract.conftest import new_job
 
 LONG = 60.0
 SHORT = 0.3
@@ -44,6 +46,16 @@ class Effects:
                 text(f'INSERT INTO "{self.settings.db_schema}".effects VALUES (:v)'), {"v": value}
             )
 
+    def lose(self, ledger: Ledger, key: str) -> None:
+        """Forget ``key``'s row, as a crash forgets an asynchronously committed take."""
+        if self.settings is None:
+            del ledger._rows[key]  # type: ignore[attr-defined]
+            return
+        import psycopg
+
+        with psycopg.connect(self.settings.libpq_conninfo(), autocommit=True) as conn:
+            conn.execute(f'DELETE FROM "{self.settings.db_schema}".ledger WHERE key = %s', (key,))
+
     def rows(self) -> list[str]:
         if self.settings is None:
             return list(self.memory)
@@ -56,11 +68,14 @@ class Effects:
 
 
 @pytest.fixture(params=["memory", "postgres"])
-def backend(request: pytest.FixtureRequest) -> Iterator[tuple[Ledger, Effects]]:
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[Ledger, Effects, JobStore]]:
+    """A ledger, where its transactions write, and the job store its fence reads."""
     if request.param == "memory":
         from celery_sched.store.ledger_memory import MemoryLedger
+        from celery_sched.store.memory import MemoryJobStore
 
-        yield MemoryLedger(), Effects(None)
+        jobs = MemoryJobStore()
+        yield MemoryLedger(jobs=jobs), Effects(None), jobs
         return
     from celery_sched.store.ledger_postgres import PostgresLedger
     from celery_sched.store.postgres import PostgresJobStore
@@ -69,13 +84,13 @@ def backend(request: pytest.FixtureRequest) -> Iterator[tuple[Ledger, Effects]]:
     store = PostgresJobStore(settings)
     store.migrate()
     ledger = PostgresLedger(store)
-    yield ledger, Effects(settings)
+    yield ledger, Effects(settings), store
     ledger.close()
     store.close()
 
 
 @pytest.fixture
-def ledger(backend: tuple[Ledger, Effects]) -> Ledger:
+def ledger(backend: tuple[Ledger, Effects, JobStore]) -> Ledger:
     return backend[0]
 
 
@@ -239,9 +254,9 @@ def test_racing_takeovers_of_an_expired_key_have_one_winner(ledger: Ledger) -> N
 
 
 def test_transaction_commits_the_writes_and_the_completion_together(
-    backend: tuple[Ledger, Effects],
+    backend: tuple[Ledger, Effects, JobStore],
 ) -> None:
-    ledger, effects = backend
+    ledger, effects, _ = backend
     ledger.acquire("k", owner="a", lease=LONG)
     with ledger.transaction("k", owner="a") as conn:
         effects.write(conn, "charged")
@@ -251,8 +266,10 @@ def test_transaction_commits_the_writes_and_the_completion_together(
     assert ledger.acquire("k", owner="b", lease=LONG).outcome == ClaimOutcome.COMPLETED
 
 
-def test_transaction_that_raises_leaves_the_key_running(backend: tuple[Ledger, Effects]) -> None:
-    ledger, effects = backend
+def test_transaction_that_raises_leaves_the_key_running(
+    backend: tuple[Ledger, Effects, JobStore],
+) -> None:
+    ledger, effects, _ = backend
     ledger.acquire("k", owner="a", lease=LONG)
     with pytest.raises(ZeroDivisionError), ledger.transaction("k", owner="a") as conn:
         effects.write(conn, "half-done")
@@ -264,9 +281,9 @@ def test_transaction_that_raises_leaves_the_key_running(backend: tuple[Ledger, E
 
 
 def test_transaction_whose_key_was_taken_over_commits_nothing(
-    backend: tuple[Ledger, Effects],
+    backend: tuple[Ledger, Effects, JobStore],
 ) -> None:
-    ledger, effects = backend
+    ledger, effects, _ = backend
     ledger.acquire("k", owner="slow", lease=SHORT)
     with (
         pytest.raises(LedgerConflict, match="taken over"),
@@ -301,3 +318,165 @@ def test_prune_deletes_old_completed_and_abandoned_entries_in_batches(ledger: Le
     assert ledger.prune(older_than=0.3, batch=2) == 0
     with pytest.raises(ValueError):
         ledger.prune(older_than=0, batch=0)
+
+
+# -- issue 13 (3): a job key reused after the old job was pruned ---------------
+
+
+def test_completion_records_the_job_id_it_completed_for(
+    backend: tuple[Ledger, Effects, JobStore],
+) -> None:
+    ledger, effects, _ = backend
+    first, second = uuid.uuid4(), uuid.uuid4()
+    ledger.acquire("plain", owner="a", lease=LONG, job_id=first)
+    assert ledger.complete("plain", owner="a", result="1", job_id=first)
+    ledger.acquire("tx", owner="a", lease=LONG, job_id=second)
+    with ledger.transaction("tx", owner="a", job_id=second) as conn:
+        effects.write(conn, "tx")
+    for key, job_id in (("plain", first), ("tx", second)):
+        entry = ledger.get(key)
+        assert entry is not None and entry.state == LedgerState.COMPLETED
+        assert entry.job_id == job_id, key
+
+
+def test_a_job_key_completed_for_an_earlier_job_is_taken_over_by_a_new_job(
+    ledger: Ledger,
+) -> None:
+    old, new = uuid.uuid4(), uuid.uuid4()
+    ledger.acquire("key", owner="a", lease=LONG, job_id=old, take_completed=True)
+    assert ledger.complete("key", owner="a", result='"old"', job_id=old)
+    # The same job again (a duplicate delivery): completed, not run.
+    again = ledger.acquire("key", owner="b", lease=LONG, job_id=old, take_completed=True)
+    assert again.outcome == ClaimOutcome.COMPLETED and again.result == "old"
+    # A new job with the same key (the old one was pruned): it runs afresh.
+    claim = ledger.acquire("key", owner="c", lease=LONG, job_id=new, take_completed=True)
+    assert (claim.outcome, claim.attempts) == (ClaimOutcome.ACQUIRED, 1)
+    entry = ledger.get("key")
+    assert entry is not None
+    assert (entry.state, entry.owner, entry.job_id) == (LedgerState.RUNNING, "c", new)
+    assert entry.completed_at is None and not entry.result_recorded
+    assert entry.lease_expires_at is not None
+    # The old owner cannot complete what the new job now holds.
+    assert not ledger.complete("key", owner="a", result='"late"', job_id=old)
+    assert ledger.complete("key", owner="c", result='"new"', job_id=new)
+    done = ledger.acquire("key", owner="d", lease=LONG, job_id=new, take_completed=True)
+    assert done.outcome == ClaimOutcome.COMPLETED and done.result == "new"
+
+
+def test_an_explicit_key_completed_by_another_job_is_not_taken_over(ledger: Ledger) -> None:
+    ledger.acquire("charge:7", owner="a", lease=LONG, job_id=uuid.uuid4())
+    ledger.complete("charge:7", owner="a", result="12")
+    claim = ledger.acquire("charge:7", owner="b", lease=LONG, job_id=uuid.uuid4())
+    assert claim.outcome == ClaimOutcome.COMPLETED and claim.result == 12
+    # An entry with no job id recorded cannot be told apart: not taken either.
+    ledger.acquire("anon", owner="a", lease=LONG)
+    ledger.complete("anon", owner="a")
+    anon = ledger.acquire("anon", owner="b", lease=LONG, job_id=uuid.uuid4(), take_completed=True)
+    assert anon.outcome == ClaimOutcome.COMPLETED
+
+
+# -- issue 13 (5): a lost take is re-taken, not mistaken for a takeover ---------
+
+
+def test_complete_recreates_a_lost_take(backend: tuple[Ledger, Effects, JobStore]) -> None:
+    ledger, effects, _ = backend
+    job_id = uuid.uuid4()
+    ledger.acquire("k", owner="a", lease=LONG, job_id=job_id)
+    effects.lose(ledger, "k")
+    assert ledger.complete("k", owner="a", result="[3]", job_id=job_id)
+    entry = ledger.get("k")
+    assert entry is not None and entry.state == LedgerState.COMPLETED
+    assert (entry.owner, entry.job_id, entry.result) == ("a", job_id, [3])
+    assert ledger.acquire("k", owner="b", lease=LONG).outcome == ClaimOutcome.COMPLETED
+
+
+def test_transaction_retakes_a_lost_take_and_commits(
+    backend: tuple[Ledger, Effects, JobStore],
+) -> None:
+    ledger, effects, _ = backend
+    job_id = uuid.uuid4()
+    ledger.acquire("k", owner="a", lease=LONG, job_id=job_id)
+    effects.lose(ledger, "k")
+    with ledger.transaction("k", owner="a", job_id=job_id) as conn:
+        effects.write(conn, "charged")
+    assert effects.rows() == ["charged"]
+    entry = ledger.get("k")
+    assert entry is not None and entry.state == LedgerState.COMPLETED
+    assert (entry.owner, entry.job_id) == ("a", job_id)
+
+
+def test_a_lost_take_held_by_another_owner_since_is_still_a_conflict(
+    backend: tuple[Ledger, Effects, JobStore],
+) -> None:
+    ledger, effects, _ = backend
+    ledger.acquire("k", owner="a", lease=LONG)
+    effects.lose(ledger, "k")
+    assert ledger.acquire("k", owner="b", lease=LONG).outcome == ClaimOutcome.ACQUIRED
+    assert not ledger.complete("k", owner="a", result="1")
+    with pytest.raises(LedgerConflict), ledger.transaction("k", owner="a") as conn:
+        effects.write(conn, "late")
+    if effects.settings is not None:
+        assert effects.rows() == []
+    entry = ledger.get("k")
+    assert entry is not None and (entry.state, entry.owner) == (LedgerState.RUNNING, "b")
+
+
+# -- issue 13 (4, 7): the delivery fence ----------------------------------------
+
+
+def _job(store: JobStore, key: str) -> Job:
+    return store.insert(new_job(key, store.now() - dt.timedelta(seconds=5)))
+
+
+@pytest.mark.parametrize(
+    "status", [JobStatus.CANCELLED, JobStatus.DEAD, JobStatus.SUCCEEDED, JobStatus.EXPIRED]
+)
+def test_a_delivery_of_a_finished_or_cancelled_job_is_fenced(
+    backend: tuple[Ledger, Effects, JobStore], status: JobStatus
+) -> None:
+    ledger, _, store = backend
+    job = _job(store, "job")
+    if status == JobStatus.CANCELLED:
+        assert store.cancel("job")
+    else:
+        assert store.mark_finished(job.id, status)
+    claim = ledger.acquire("job", owner="a", lease=LONG, job_id=job.id, attempt=0)
+    assert claim.outcome == ClaimOutcome.FENCED
+    assert claim.reason == f"the job is {status.value}"
+    assert ledger.get("job") is None  # nothing taken
+    assert ledger.check_delivery(job.id, 0) == claim.reason
+    assert ledger.check_delivery(job.id, None) == claim.reason
+
+
+def test_a_delivery_of_an_older_attempt_is_fenced_and_the_current_one_runs(
+    backend: tuple[Ledger, Effects, JobStore],
+) -> None:
+    ledger, _, store = backend
+    store.insert(new_job("job", store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
+    epoch = store.acquire_epoch(0, "test")
+    (claimed,) = store.claim_due(shard=0, epoch=epoch, limit=10)
+    time.sleep(0.05)
+    store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=300)
+    requeued = store.get("job")
+    assert requeued is not None and requeued.attempt == 1
+    stale = ledger.acquire("job", owner="old", lease=LONG, job_id=claimed.id, attempt=0)
+    assert stale.outcome == ClaimOutcome.FENCED
+    assert stale.reason == "attempt 0 is older than the job's attempt 1"
+    assert ledger.check_delivery(claimed.id, 0) == stale.reason
+    assert ledger.get("job") is None
+    assert ledger.check_delivery(claimed.id, 1) is None
+    current = ledger.acquire("job", owner="new", lease=LONG, job_id=claimed.id, attempt=1)
+    assert current.outcome == ClaimOutcome.ACQUIRED
+
+
+def test_a_live_or_missing_job_does_not_fence(backend: tuple[Ledger, Effects, JobStore]) -> None:
+    ledger, _, store = backend
+    job = _job(store, "live")
+    assert ledger.check_delivery(job.id, 0) is None
+    assert ledger.acquire("live", owner="a", lease=LONG, job_id=job.id, attempt=0).outcome == (
+        ClaimOutcome.ACQUIRED
+    )
+    gone = uuid.uuid4()  # pruned, or never a job row: the delivery runs
+    assert ledger.check_delivery(gone, 3) is None
+    claim = ledger.acquire("gone", owner="a", lease=LONG, job_id=gone, attempt=3)
+    assert claim.outcome == ClaimOutcome.ACQUIRED

@@ -392,3 +392,116 @@ def test_static_sync_keeps_pause(store: JobStore) -> None:
     )
     row = stored(store, "s")
     assert row.paused and row.options == {"queue": "x"}
+
+
+# -- broken schedules ---------------------------------------------------------------------
+
+
+def test_a_broken_schedule_is_left_out_of_planning_and_counted(store: JobStore) -> None:
+    now = store.now()
+    store.add_schedules([new_schedule("ok", now), new_schedule("bad", now)])
+    bad = stored(store, "bad")
+    assert store.mark_schedule_broken(bad.id, version=bad.version, reason="OverflowError: x")
+    row = stored(store, "bad")
+    assert row.broken_reason == "OverflowError: x" and row.broken_at is not None
+    assert abs((row.broken_at - store.now()).total_seconds()) < 5  # the store's clock
+    assert row.version == bad.version  # planning state, not a change
+    assert row.next_nominal_at == bad.next_nominal_at  # the cursor stays for a retry
+    due = store.due_schedules(horizon=now + MINUTE, shard=0, shards=1, limit=10)
+    assert [s.name for s in due] == ["ok"]
+    assert store.count_schedules() == {"active": 1, "broken": 1}
+    # Marked once: a second planner that read the same version changes nothing.
+    assert not store.mark_schedule_broken(bad.id, version=bad.version, reason="again")
+    assert stored(store, "bad").broken_reason == "OverflowError: x"
+    # A plan made from a broken row (an older leader) is stale.
+    result = store.commit_plans([advance(bad, occurrence(bad, now + SECOND))])
+    assert result.stale == 1 and result.written == []
+    assert not store.mark_schedule_broken(987654, version=0, reason="gone")
+    # Paused or disabled wins in the count: one state per schedule.
+    store.set_schedule_paused("bad", True)
+    assert store.count_schedules() == {"active": 1, "paused": 1}
+    assert stored(store, "bad").broken_at is not None  # a pause keeps the reason
+
+
+def test_marking_broken_is_fenced_by_the_version(store: JobStore) -> None:
+    now = store.now()
+    store.add_schedules([new_schedule("s", now)])
+    read = stored(store, "s")
+    fixed = dataclasses.replace(read.as_new(), options={"queue": "fixed"})
+    assert store.replace_schedule(fixed, expected_version=read.version, restart=False)
+    assert not store.mark_schedule_broken(read.id, version=read.version, reason="old")
+    row = stored(store, "s")
+    assert row.broken_at is None and row.broken_reason is None
+
+
+def test_a_user_change_clears_the_broken_mark(store: JobStore) -> None:
+    now = store.now()
+    store.add_schedules([new_schedule(n, now) for n in ("replaced", "resumed", "paused")])
+
+    def broken(name: str) -> StoredSchedule:
+        row = stored(store, name)
+        assert store.mark_schedule_broken(row.id, version=row.version, reason="bad")
+        return stored(store, name)
+
+    row = broken("replaced")
+    new = dataclasses.replace(row.as_new(), options={"queue": "other"})
+    replaced = store.replace_schedule(new, expected_version=row.version, restart=False)
+    assert replaced is not None and replaced.broken_at is None
+    assert replaced.broken_reason is None
+    # Resuming retries a broken schedule that was never paused, too.
+    row = broken("resumed")
+    resumed = store.set_schedule_paused("resumed", False)
+    assert resumed.broken_at is None and resumed.broken_reason is None
+    assert resumed.version == row.version + 1 and not resumed.paused
+    row = broken("paused")
+    store.set_schedule_paused("paused", True)
+    resumed = store.set_schedule_paused("paused", False)
+    assert resumed.broken_at is None and not resumed.paused
+    due = store.due_schedules(horizon=now + MINUTE, shard=0, shards=1, limit=10)
+    assert {s.name for s in due} == {"replaced", "resumed", "paused"}
+    assert store.count_schedules() == {"active": 3}
+
+
+def test_static_sync_clears_the_broken_mark_only_on_a_change(store: JobStore) -> None:
+    now = store.now()
+    defined = [
+        new_schedule("same", now, source="static"),
+        new_schedule("args", now, source="static"),
+        new_schedule("timing", now, source="static"),
+    ]
+    store.sync_static_schedules(defined)
+    for name in ("same", "args", "timing"):
+        row = stored(store, name)
+        assert store.mark_schedule_broken(row.id, version=row.version, reason="bad")
+    store.sync_static_schedules(
+        [
+            new_schedule("same", now, source="static"),
+            new_schedule("args", now, source="static", argsrepr="(9,)", body=b"[[9], {}, {}]"),
+            new_schedule("timing", now, source="static", spec={"seconds": 5.0}),
+        ]
+    )
+    assert stored(store, "same").broken_reason == "bad"
+    assert stored(store, "args").broken_at is None and stored(store, "args").broken_reason is None
+    assert stored(store, "timing").broken_at is None
+    assert store.count_schedules() == {"active": 2, "broken": 1}
+
+
+@pytest.mark.parametrize("overlap", ["allow", "skip"])
+@pytest.mark.parametrize("misfire", [None, "skip", "once", "all"])
+def test_every_policy_value_is_stored(store: JobStore, misfire: str | None, overlap: str) -> None:
+    # The schedules table's CHECK constraints must accept what the code writes.
+    now = store.now()
+    store.add_schedules([new_schedule("p", now, misfire=misfire, overlap=overlap)])
+    store.sync_static_schedules([new_schedule("q", now, misfire=misfire, overlap=overlap)])
+    for name in ("p", "q"):
+        row = stored(store, name)
+        assert (row.misfire, row.overlap) == (misfire, overlap)
+
+
+@pytest.mark.parametrize("fields", [{"misfire": "sometimes"}, {"overlap": "never"}])
+def test_a_policy_the_table_refuses_is_refused_before_any_write(
+    store: JobStore, fields: dict[str, Any]
+) -> None:
+    with pytest.raises(ValueError, match=r"sometimes|never"):
+        store.add_schedules([new_schedule("bad", store.now(), **fields)])
+    assert store.list_schedules() == []

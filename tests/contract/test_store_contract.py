@@ -413,7 +413,7 @@ def test_release_is_fenced_by_epoch(store: JobStore) -> None:
 
 
 def test_mark_expired_is_fenced_by_epoch(store: JobStore) -> None:
-    job, epoch = claim_one(store, "x")
+    job, epoch = claim_one(store, "x", expires_at=past(store, 1))
     assert store.mark_expired([job.id], epoch=epoch - 1, reason="late") == 0
     assert status_of(store, "x") is JobStatus.DISPATCHED
     assert store.mark_expired([job.id, uuid.uuid4()], epoch=epoch, reason="expired at 12:00") == 1
@@ -606,3 +606,82 @@ def test_prune_deletes_old_finished_jobs_in_batches(store: JobStore) -> None:
     assert store.prune(older_than=0, batch=3) == 0
     # A pruned key can be scheduled again.
     store.insert(new_job("done-0", due))
+
+
+# -- failed publishes, expiry by the store's clock, shards (issue 13) --------------------
+
+
+def test_fail_dispatch_counts_an_attempt_and_says_why(store: JobStore) -> None:
+    store.insert(new_job("unroutable", past(store, 6), max_attempts=3))
+    store.insert(new_job("fine", past(store, 5)))
+    epoch = leader(store)
+    job, other = store.claim_due(shard=0, epoch=epoch, limit=10)
+    assert (job.key, other.key) == ("unroutable", "fine")
+    reason = "queue 'nowhere' is not in task_queues"
+    result = store.fail_dispatch([(job.id, reason), (uuid.uuid4(), "unknown id")], epoch=epoch)
+    assert (result.requeued, result.dead, result.timed_out) == (1, 0, 0)
+    failed = store.get("unroutable")
+    assert failed is not None
+    assert (failed.status, failed.attempt) == (JobStatus.PENDING, 1)
+    assert failed.dispatched_at is None and failed.finished_at is None
+    assert failed.last_error == f"not published: {reason} (attempt 1 of 3)"
+    assert status_of(store, "fine") is JobStatus.DISPATCHED and other.attempt == 0
+    # Claimable again, like a released job.
+    assert [j.key for j in store.claim_due(shard=0, epoch=epoch, limit=5)] == ["unroutable"]
+    assert store.fail_dispatch([], epoch=epoch) == type(result)()
+
+
+def test_fail_dispatch_is_fenced_by_epoch(store: JobStore) -> None:
+    job, epoch = claim_one(store, "f")
+    result = store.fail_dispatch([(job.id, "x")], epoch=epoch + 1)
+    assert (result.requeued, result.dead) == (0, 0)
+    kept = store.get("f")
+    assert kept is not None and (kept.status, kept.attempt) == (JobStatus.DISPATCHED, 0)
+    # Only dispatched rows move: a pending (released) job is left alone.
+    assert store.release([job.id], epoch=epoch) == 1
+    assert store.fail_dispatch([(job.id, "x")], epoch=epoch).requeued == 0
+    assert store.get("f").attempt == 0  # type: ignore[union-attr]
+
+
+def test_fail_dispatch_gives_up_at_max_attempts(store: JobStore) -> None:
+    store.insert(new_job("poison", past(store, 5), max_attempts=2))
+    epoch = leader(store)
+    for attempt, expected in ((1, JobStatus.PENDING), (2, JobStatus.DEAD)):
+        [job] = store.claim_due(shard=0, epoch=epoch, limit=5)
+        result = store.fail_dispatch([(job.id, "WRONGTYPE")], epoch=epoch)
+        assert (result.requeued, result.dead) == (
+            (1, 0) if expected is JobStatus.PENDING else (0, 1)
+        )
+        stored = store.get("poison")
+        assert stored is not None and (stored.status, stored.attempt) == (expected, attempt)
+    assert stored.finished_at is not None
+    assert stored.last_error == "not published: WRONGTYPE (attempt 2 of 2); giving up"
+    assert store.claim_due(shard=0, epoch=epoch, limit=5) == []
+
+
+def test_mark_expired_rechecks_expiry_by_the_store_clock(store: JobStore) -> None:
+    """A caller whose clock runs ahead cannot expire a job early."""
+    job, epoch = claim_one(store, "later", expires_at=future(store, 600))
+    assert store.mark_expired([job.id], epoch=epoch, reason="expired") == 0
+    assert status_of(store, "later") is JobStatus.DISPATCHED
+
+
+def test_unfinished_by_shard_counts_rows_from_a_shard_on(store: JobStore) -> None:
+    now = store.now()
+    store.insert(new_job("s0", now - SECOND, shard=0))
+    for key in ("p1", "p1b", "d1"):
+        store.insert(new_job(key, now - SECOND, shard=1))
+    store.insert(new_job("p3", now + HOUR, shard=3))
+    store.insert(new_job("c3", now + HOUR, shard=3))
+    assert store.cancel("c3")
+    epoch = store.acquire_epoch(1, "t")
+    [claimed] = store.claim_ids([store.get("d1").id], shard=1, epoch=epoch)  # type: ignore[union-attr]
+    store.insert(new_job("r3", now - SECOND, shard=3))
+    r3 = store.get("r3")
+    assert r3 is not None and store.mark_running(r3.id, worker="w")
+    assert store.unfinished_by_shard(from_shard=1) == {
+        1: {JobStatus.PENDING: 2, JobStatus.DISPATCHED: 1},
+        3: {JobStatus.PENDING: 1, JobStatus.RUNNING: 1},
+    }
+    assert store.unfinished_by_shard(from_shard=4) == {}
+    assert claimed.key == "d1"

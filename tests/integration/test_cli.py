@@ -133,3 +133,51 @@ def test_unreachable_database_is_a_clean_error(pg_schema: str) -> None:
     assert "StoreUnavailable" in result.stderr
     assert "Traceback" not in output
     assert "hunter2" not in output
+
+
+def test_passwords_in_query_parameters_are_masked(pg_url: str, pg_schema: str) -> None:
+    """Issue 13, defect 9. Before: ``?password=`` was printed as given."""
+    sep = "&" if "?" in pg_url else "?"
+    result = run_sched("migrate", schema=pg_schema, database_url=f"{pg_url}{sep}password=hunter2")
+    assert result.returncode == 0, result.stderr
+    assert "password=***" in result.stdout
+    assert "hunter2" not in result.stdout + result.stderr
+    unreachable = "postgresql+psycopg://admin@127.0.0.1:1/test?password=hunter2&sslpassword=hunter3"
+    result = run_sched(
+        "migrate",
+        schema=pg_schema,
+        database_url=unreachable,
+        extra_env={"CELERY_SCHED_CONNECT_RETRIES": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "StoreUnavailable" in result.stderr
+    assert "hunter2" not in output and "hunter3" not in output
+
+
+def test_schedules_of_a_pickle_app_are_listed_and_refused_where_not_accepted(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Issue 13, defect 8. Before: ``sched schedules`` crashed on a pickle app
+    (rows were decoded with accept=None, which refuses pickle)."""
+    from celery import Celery
+
+    app = Celery("cli_app", set_as_current=False)
+    app.conf.update(timezone="UTC", task_serializer="pickle", accept_content=["pickle", "json"])
+    settings = Settings(database_url=pg_url, db_schema=pg_schema)
+    with Client(app, settings=settings, staging=False) as client:
+        client.migrate()
+        client.schedules.add("rich", "cli_app.ping", 60, args=({1, 2},), check_task=False)
+    result = run_sched(
+        "schedules",
+        schema=pg_schema,
+        database_url=pg_url,
+        extra_env={"CLI_APP_SERIALIZER": "pickle"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rich" in result.stdout and "interval" in result.stdout
+    # The same rows for an app that accepts JSON only: refused, never unpickled.
+    result = run_sched("schedules", schema=pg_schema, database_url=pg_url)
+    assert result.returncode != 0
+    assert "UntrustedContent" in result.stderr
+    assert "application/x-python-serialize" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr

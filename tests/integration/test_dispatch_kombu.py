@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -415,3 +416,193 @@ def test_rabbitmq_messages_equal_what_kombu_publishes(
     assert opts["properties"]["application_headers"]["nested"] == {"a": [1, None, "é"]}
     assert opts["queue"] == queues["option"]
     assert int(received[str(jobs[3].id)][0]["properties"]["expiration"]) > 290_000
+
+
+# -- per-job and per-queue failures, the lease check (issue 13) --------------------
+
+
+def test_a_queue_name_holding_another_redis_type_fails_only_its_jobs(
+    redis_url: str, unique_name: str
+) -> None:
+    """WRONGTYPE was a broker failure: the whole batch was released. Both
+    where it shows: declaring the queue, and the LPUSH once it is declared."""
+    app = make_app(redis_url, unique_name + "_routed")
+    app.conf.task_default_queue = unique_name
+    bad_queue = unique_name + "_bad"
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = KombuDispatcher(app, Settings(redis_url=redis_url), chunk=20)
+    try:
+        for when in ("declare", "push"):
+            client.delete(bad_queue)
+            if when == "push":
+                # Declared by a good publish first; then the key changes type.
+                first = make_job(RECORD_TASK, ("first",), options={"queue": bad_queue})
+                assert dispatcher.publish([first], epoch=1, now=dt.datetime.now(dt.UTC)).sent
+                client.delete(bad_queue)
+            client.set(bad_queue, "not a list")
+            good = [make_job(RECORD_TASK, (i,)) for i in range(50)]
+            bad = make_job(RECORD_TASK, ("bad",), options={"queue": bad_queue})
+            jobs = [*good[:25], bad, *good[25:]]
+            result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+            assert sorted(result.sent) == sorted(job.id for job in good), when
+            assert result.failed == [] and result.withheld == []
+            assert list(result.rejected) == [bad.id]
+            assert "WRONGTYPE" in result.rejected[bad.id], result.rejected
+            raw = client.lrange(unique_name, 0, -1)
+            assert len(raw) == 50, when
+            client.delete(unique_name)
+    finally:
+        dispatcher.close()
+        client.delete(unique_name, bad_queue, f"_kombu.binding.{unique_name}")
+        client.delete(f"_kombu.binding.{bad_queue}")
+        client.close()
+
+
+def test_an_unroutable_job_fails_alone(
+    broker: str, queues: dict[str, str], publisher_app: Celery, redis_url: str
+) -> None:
+    from kombu import Queue
+
+    publisher_app.conf.task_queues = [Queue(queues["default"])]
+    publisher_app.conf.task_create_missing_queues = False
+    dispatcher = KombuDispatcher(publisher_app, Settings(redis_url=redis_url))
+    good = [make_job(RECORD_TASK, (i,)) for i in range(5)]
+    unroutable = make_job(RECORD_TASK, ("x",), options={"queue": "not_in_task_queues"})
+    try:
+        result = dispatcher.publish(
+            [*good[:2], unroutable, *good[2:]], epoch=1, now=dt.datetime.now(dt.UTC)
+        )
+    finally:
+        dispatcher.close()
+    assert sorted(result.sent) == sorted(job.id for job in good)
+    assert result.failed == [] and list(result.rejected) == [unroutable.id]
+    assert "not_in_task_queues" in result.rejected[unroutable.id]
+
+
+def test_a_missing_rabbitmq_exchange_fails_its_jobs_and_the_rest_go_out(
+    amqp_url: str, queues: dict[str, str], redis_url: str
+) -> None:
+    """Publishing to a missing exchange closes the channel (NOT_FOUND), and
+    RabbitMQ drops whatever follows on it: the route fails, the channel is
+    reopened, the other jobs are published."""
+    app = make_app(amqp_url, queues["routed"])
+    app.conf.task_default_queue = queues["default"]
+    dispatcher = KombuDispatcher(app, Settings(redis_url=redis_url))
+    good = [make_job(RECORD_TASK, (i,)) for i in range(10)]
+    missing = [
+        make_job(
+            RECORD_TASK, ("m",), options={"exchange": "no_such_exchange_h1", "routing_key": "k"}
+        )
+        for _ in range(2)
+    ]
+    jobs = [*good[:3], missing[0], *good[3:7], missing[1], *good[7:]]
+    try:
+        result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+        assert sorted(result.sent) == sorted(job.id for job in good)
+        assert result.failed == [] and sorted(result.rejected) == sorted(j.id for j in missing)
+        assert "NOT_FOUND" in result.rejected[missing[0].id]
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            got = []
+            while (message := channel.basic_get(queue=queues["default"], no_ack=True)) is not None:
+                got.append(message.headers["id"])
+        assert sorted(got) == sorted(str(job.id) for job in good)
+    finally:
+        dispatcher.close()
+        delete_queues(app, list(queues.values()), redis_url)
+
+
+def test_no_chunk_is_published_once_the_lease_is_gone(
+    broker: str, queues: dict[str, str], publisher_app: Celery, redis_url: str
+) -> None:
+    """Defect 4: ``may_publish`` is asked before every chunk; what was not
+    sent when it says no is reported withheld, neither sent nor failed."""
+    dispatcher = KombuDispatcher(publisher_app, Settings(redis_url=redis_url), chunk=4)
+    jobs = [make_job(RECORD_TASK, (i,)) for i in range(10)]
+    answers = iter([True, True])  # RabbitMQ publishes one message per chunk
+    try:
+        result = dispatcher.publish(
+            jobs, epoch=1, now=dt.datetime.now(dt.UTC), may_publish=lambda: next(answers, False)
+        )
+        per_chunk = 4 if broker.startswith("redis") else 1
+        assert result.sent == [job.id for job in jobs[: 2 * per_chunk]]
+        assert result.withheld == [job.id for job in jobs[2 * per_chunk :]]
+        assert result.failed == [] and result.rejected == {}
+        with publisher_app.connection_for_read() as conn:
+            channel = conn.default_channel
+            count = 0
+            while channel.basic_get(queue=queues["default"], no_ack=True) is not None:
+                count += 1
+        assert count == 2 * per_chunk
+    finally:
+        dispatcher.close()
+
+
+def test_the_engine_sends_a_batch_around_a_job_redis_refuses_until_that_job_is_dead(
+    settings: Settings, redis_url: str, unique_name: str
+) -> None:
+    """Defect 1 end to end (real PostgreSQL and Redis): 50 good jobs claimed
+    with one whose queue name is a Redis string go out; the bad one counts
+    an attempt per pass with the reason, and ends dead."""
+    from celery_sched.engine import Engine
+    from celery_sched.lease import LeaderElector
+    from celery_sched.lease.memory import MemoryLeaseBackend
+    from celery_sched.staging.memory import MemoryStaging
+    from celery_sched.store.postgres import PostgresJobStore
+    from tests.contract.conftest import new_job
+
+    app = make_app(redis_url, unique_name + "_routed")
+    app.conf.task_default_queue = unique_name
+    bad_queue = unique_name + "_bad"
+    client = redis.Redis.from_url(redis_url)
+    client.set(bad_queue, "not a list")
+    settings = dataclasses.replace(settings, batch_size=100, sweep_interval=0.05)
+    store = PostgresJobStore(settings)
+    store.migrate()
+    now = store.now()
+    good = [
+        new_job(f"good-{i}", now - dt.timedelta(seconds=10), task=RECORD_TASK, options={})
+        for i in range(50)
+    ]
+    bad = new_job(
+        "bad",
+        now - dt.timedelta(seconds=20),
+        task=RECORD_TASK,
+        options={"queue": bad_queue},
+        max_attempts=3,
+    )
+    store.insert_many([*good, bad])
+    elector = LeaderElector(
+        MemoryLeaseBackend(),
+        shard=0,
+        ttl=settings.lease_ttl,
+        safety_margin=settings.lease_safety_margin,
+        acquire_epoch=store.acquire_epoch,
+        holder="engine-test",
+    )
+    assert elector.try_acquire() is not None
+    engine = Engine(
+        store=store,
+        staging=MemoryStaging(),
+        dispatcher=KombuDispatcher(app, settings),
+        elector=elector,
+        settings=settings,
+    )
+    try:
+        engine.step()
+        assert client.llen(unique_name) == 50
+        job = store.get("bad")
+        assert job is not None and (job.status, job.attempt) == (JobStatus.PENDING, 1)
+        assert job.last_error is not None and "WRONGTYPE" in job.last_error
+        deadline = time.monotonic() + 10
+        while (job := store.get("bad")) is not None and job.status is not JobStatus.DEAD:
+            assert time.monotonic() < deadline, job
+            time.sleep(engine.step())
+        assert job is not None and job.attempt == 3 and job.finished_at is not None
+        assert client.llen(unique_name) == 50  # nothing sent twice
+        assert store.counts_by_status() == {JobStatus.DISPATCHED: 50, JobStatus.DEAD: 1}
+    finally:
+        engine.stop()
+        store.close()
+        client.delete(unique_name, bad_queue, f"_kombu.binding.{unique_name}")
+        client.close()

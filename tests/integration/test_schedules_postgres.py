@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from celery_sched import schedules
 from celery_sched.client import Client
 from celery_sched.errors import ScheduleExists, UnknownTimezone
 from celery_sched.models import JobStatus
-from celery_sched.planner import Planner
+from celery_sched.planner import Planner, schedule_row
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
 from tests.integration import cli_app
@@ -145,3 +146,44 @@ def test_cli_lists_schedules(client: Client, pg_url: str, pg_schema: str) -> Non
     assert "interval" in alpha and alpha.rstrip().endswith("active")
     assert "crontab" in beta and beta.rstrip().endswith("paused")
     assert "1 active, 1 paused" in lines[-1]
+
+
+def test_an_unplannable_schedule_is_broken_and_shown(
+    client: Client, store: PostgresJobStore, pg_url: str, pg_schema: str
+) -> None:
+    # Issue 13: a stored `expires` of 3e11 s (past datetime.max) raised
+    # OverflowError in every planning pass of every leader. Stored through the
+    # store, as an older version or a hand edit could have, past validation.
+    client.schedules.add("before", "cli_app.ping", 5)
+    spec = schedules.make_spec("far", "cli_app.ping", 5, app=cli_app.app)
+    row = schedule_row(spec, client.builder, now=store.now())
+    store.add_schedules([dataclasses.replace(row, options={"expires": 3e11})])
+    client.schedules.add("later", "cli_app.ping", 5)
+    planner = Planner(store, client.settings, app=cli_app.app)
+    result = planner.plan_pass()
+    assert result.broken == 1 and result.schedules == 3
+    keys = occurrence_keys(client.settings)
+    assert sum(k.startswith("before@") for k in keys) == 24
+    assert sum(k.startswith("later@") for k in keys) == 24
+    assert not any(k.startswith("far@") for k in keys)
+    info = client.schedules.get("far")
+    assert info is not None and info.state == "broken" and info.broken_at is not None
+    reason = "InvalidSchedule: schedule 'far': expires 3e+11 s after"
+    assert info.broken_reason is not None and info.broken_reason.startswith(reason)
+    assert client.schedules.counts() == {"active": 2, "broken": 1}
+    assert planner.plan_pass().schedules == 0  # left out until a change
+
+    result = run_sched("schedules", schema=pg_schema, database_url=pg_url)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    far = next(line for line in lines if line.startswith("far "))
+    assert far.rstrip().endswith("broken")
+    shown = next(line for line in lines if line.strip().startswith("far  since"))
+    assert reason in shown and "past the latest date" in shown
+    assert "2 active, 1 broken" in lines[-1]
+
+    fixed = client.schedules.update("far", expires=60)
+    assert fixed.state == "active" and fixed.broken_reason is None
+    assert planner.plan_pass().written
+    job = store.get(schedules.occurrence_key("far", fixed.next_run_at))  # type: ignore[arg-type]
+    assert job is not None and job.expires_at == job.due_at + dt.timedelta(seconds=60)

@@ -378,3 +378,103 @@ def test_bulk_load_options_round_trip(store: PostgresJobStore) -> None:
     store.insert_many([new_job("a", due, options={}), new_job("b", due, options=options)])
     assert store.get("a").options == {}  # type: ignore[union-attr]
     assert store.get("b").options == options  # type: ignore[union-attr]
+
+
+def test_a_claim_retried_after_an_ambiguous_commit_loses_no_row(
+    store: PostgresJobStore, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13: the COMMIT of a claim reaches PostgreSQL but its reply is
+    lost; ``_tx`` retries the whole claim, which takes other rows. The first
+    claim's rows stay dispatched (nobody publishes them) and the reconciler
+    requeues them after their visibility timeout, with an attempt counted."""
+    from celery_sched.store import postgres
+
+    now = store.now()
+    for i in range(6):
+        store.insert(
+            new_job(f"amb-{i}", now - dt.timedelta(seconds=60 - i), visibility_timeout=0.3)
+        )
+    epoch = store.acquire_epoch(0, "ambiguous")
+    lost: list[Job] = []
+    real_guard = store._guard
+
+    def guard(fn: Any, what: str) -> Any:
+        result = real_guard(fn, what)  # committed
+        if what == "claim_due" and not lost:
+            lost.extend(result)
+            error = psycopg.OperationalError("server closed the connection unexpectedly")
+            raise postgres.TransientDatabaseError(error)
+        return result
+
+    monkeypatch.setattr(store, "_guard", guard)
+    claimed = store.claim_due(shard=0, epoch=epoch, limit=3)
+    assert [job.key for job in lost] == ["amb-0", "amb-1", "amb-2"]
+    assert [job.key for job in claimed] == ["amb-3", "amb-4", "amb-5"]
+    for job in lost:
+        stored = store.get_by_id(job.id)
+        assert stored is not None
+        assert (stored.status, stored.leader_epoch) == (JobStatus.DISPATCHED, epoch)
+    time.sleep(0.5)
+    result = store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=300)
+    assert result.requeued == 6  # the lost three and the three never started
+    again = store.claim_due(shard=0, epoch=epoch, limit=10)
+    assert sorted(job.key for job in again) == [f"amb-{i}" for i in range(6)]
+    assert {job.attempt for job in again} == {1}
+
+
+def test_beat_refuses_to_start_with_rows_in_shards_that_no_longer_exist(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    """Issue 13: lowering celery_sched_shards stranded the rows of the shards
+    dropped (no beat leads them). Beat now refuses to start, naming them."""
+    from celery import Celery
+
+    from celery_sched.beat import Scheduler, check_shards
+    from celery_sched.errors import ConfigurationError
+
+    now = store.now()
+    store.insert(new_job("kept", now - dt.timedelta(seconds=1), shard=0))
+    for i in range(3):
+        store.insert(new_job(f"s2-{i}", now + dt.timedelta(hours=i), shard=2))
+    store.insert(new_job("s3", now - dt.timedelta(seconds=1), shard=3))
+    epoch = store.acquire_epoch(3, "old fleet")
+    assert len(store.claim_due(shard=3, epoch=epoch, limit=5)) == 1
+    check_shards(store, 4)  # the count they were written with: fine
+    with pytest.raises(ConfigurationError) as info:
+        check_shards(store, 2)
+    message = str(info.value)
+    assert "shard 2: 3 pending" in message and "shard 3: 1 dispatched" in message
+    assert "at least 4" in message
+
+    app = Celery("shards_test", set_as_current=False)
+    app.conf.update(
+        celery_sched_database_url=settings.database_url,
+        celery_sched_redis_url=settings.redis_url,
+        celery_sched_db_schema=settings.db_schema,
+        celery_sched_key_prefix=settings.key_prefix,
+        celery_sched_shards=2,
+    )
+    with pytest.raises(ConfigurationError, match="shard 2: 3 pending"):
+        Scheduler(app)  # a real beat Scheduler: setup_schedule runs the check
+
+
+def test_the_shard_check_reads_only_partial_indexes(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    now = store.now()
+    store.insert_many(
+        new_job(f"f-{i}", now + dt.timedelta(seconds=i), shard=i % 2) for i in range(20_000)
+    )
+    with raw_connect(settings) as conn:
+        conn.execute(f'ANALYZE "{settings.db_schema}".jobs')
+    with store.engine.connect() as conn:
+        compiled = store._q.unfinished_by_shard.compile(
+            dialect=store.engine.dialect, compile_kwargs={"render_postcompile": True}
+        )
+        params = {k: 2 if k == "from_shard" else v for k, v in compiled.params.items()}
+        plan = "\n".join(
+            row[0] for row in conn.exec_driver_sql(f"EXPLAIN {compiled.string}", params)
+        )
+    assert "Seq Scan" not in plan, plan
+    assert "jobs_pending_due_idx" in plan and "jobs_retrying_idx" in plan, plan
+    assert store.unfinished_by_shard(from_shard=1) == {1: {JobStatus.PENDING: 10_000}}

@@ -4,6 +4,7 @@ all-or-nothing bulk scheduling."""
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,13 +16,17 @@ from celery_sched.errors import (
     DuplicateJob,
     InvalidArguments,
     InvalidJob,
+    InvalidSchedule,
     InvalidTime,
     PayloadTooLarge,
     StagingUnavailable,
+    UndecodableBody,
     UnknownOption,
     UnknownTask,
+    UntrustedContent,
 )
-from celery_sched.models import JobStatus
+from celery_sched.models import DUE_LIMIT, MAX_SECONDS, Job, JobStatus
+from celery_sched.schedules import clocked
 from celery_sched.settings import Settings
 from celery_sched.staging.memory import MemoryStaging
 from celery_sched.store.memory import MemoryJobStore
@@ -362,3 +367,182 @@ def test_schedule_many_measures_the_window_from_the_commit(
     staged = staging.pop_due(0, start + dt.timedelta(hours=1), 10)
     keys = {job.key for job in (client.store.get_by_id(i) for i in staged) if job}
     assert keys == {"k30", "k75"}
+
+
+# -- bodies decoded with the app's accept_content (issue 13, defect 8) ---------------
+
+PICKLE = "application/x-python-serialize"
+
+
+def pickle_app(accept: list[str]) -> Celery:
+    app = Celery("pickle_tests", set_as_current=False)
+    app.conf.update(task_serializer="pickle", accept_content=accept)
+
+    @app.task(name="tests.rich", shared=False)
+    def rich(*args: Any, **kwargs: Any) -> None:
+        """Takes what only pickle carries."""
+
+    return app
+
+
+UNPICKLED: list[str] = []
+
+
+def record_unpickling(tag: str) -> None:
+    UNPICKLED.append(tag)
+
+
+class Boom:
+    """Unpickling it records a call: proof that a body was deserialized."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (record_unpickling, ("unpickled",))
+
+
+@pytest.fixture
+def insecure_serializers_enabled() -> Iterator[None]:
+    """What a process that ever enabled pickle (a worker with
+    accept_content=['pickle']) looks like to kombu: pickle is no longer disabled."""
+    from kombu import serialization
+
+    saved = set(serialization.registry._disabled_content_types)
+    serialization.enable_insecure_serializers()
+    try:
+        yield
+    finally:
+        serialization.registry._disabled_content_types.clear()
+        serialization.registry._disabled_content_types.update(saved)
+
+
+def test_a_pickle_app_reads_back_its_job_and_schedule_arguments(store: MemoryJobStore) -> None:
+    """Before: kombu.loads(accept=None) refused pickle (ContentDisallowed), so
+    ``sched schedules``, ``schedules.list()`` and ``Job.args`` crashed."""
+    client = Client(pickle_app(["pickle", "json"]), store=store, staging=False)
+    args = ({1, 2}, dt.date(2020, 1, 2))
+    job = client.schedule("tests.rich", args, {"when": dt.time(3, 4)}, key="k")
+    assert job.content_type == PICKLE
+    assert client.decode(job) == (args, {"when": dt.time(3, 4)})
+    stored = client.get("k")
+    assert stored is not None and client.decode(stored)[0] == args
+    client.schedules.add("s", "tests.rich", 60, args=({3},), kwargs={"d": dt.date(2021, 1, 1)})
+    (info,) = client.schedules.list()
+    assert (info.args, info.kwargs) == (({3},), {"d": dt.date(2021, 1, 1)})
+    assert client.schedules.get("s").args == ({3},)  # type: ignore[union-attr]
+    assert client.schedules.update("s", kwargs={}).args == ({3},)
+
+
+def test_content_the_app_does_not_accept_is_refused_and_never_unpickled(
+    store: MemoryJobStore, insecure_serializers_enabled: None
+) -> None:
+    """Before: with pickle enabled in the process, loads(accept=None) unpickled
+    whatever a row held, whatever the app accepts."""
+    writer = Client(pickle_app(["pickle", "json"]), store=store, staging=False)
+    job = writer.schedule("tests.rich", (Boom(),), key="k")
+    writer.schedules.add("s", "tests.rich", 60, args=(Boom(),))
+    UNPICKLED.clear()
+    reader = Client(pickle_app(["json"]), store=store, staging=False)
+    with pytest.raises(UntrustedContent, match=f"'{PICKLE}'.*accept_content") as info:
+        reader.decode(job)
+    assert "job 'k'" in str(info.value)
+    with pytest.raises(UntrustedContent, match=f"schedule 's' is stored as '{PICKLE}'"):
+        reader.schedules.list()
+    with pytest.raises(UntrustedContent, match=PICKLE):
+        reader.schedules.get("s")
+    # A Job has no app: JSON only, unless told otherwise.
+    with pytest.raises(UntrustedContent, match=PICKLE):
+        _ = job.args
+    with pytest.raises(UntrustedContent, match=PICKLE):
+        job.decode(["json"])
+    assert UNPICKLED == []
+    assert job.decode(["pickle"]) == ((None,), {})  # the app that accepts it may
+    assert UNPICKLED == ["unpickled"]
+
+
+def test_json_jobs_decode_by_default(client: Client) -> None:
+    job = client.schedule("tests.add", [1], {"y": 2})
+    assert (job.args, job.kwargs) == ((1,), {"y": 2})
+    assert client.decode(job) == ((1,), {"y": 2})
+
+
+def test_a_corrupt_body_is_a_clear_error(client: Client) -> None:
+    job = client.schedule("tests.add", [1], key="k")
+    broken = Job(**{**{f: getattr(job, f) for f in job.__slots__}, "body": b"[1, 2"})
+    with pytest.raises(UndecodableBody, match="job 'k' cannot be decoded"):
+        client.decode(broken)
+
+
+# -- values that cannot be stored (issue 13, defects 6, 10, 11 and item 13) ----------
+
+
+def test_a_due_time_past_year_6053_is_refused_on_both_paths(
+    client: Client, store: MemoryJobStore
+) -> None:
+    """Before: schedule() failed in the store (StoreError) and schedule_many()
+    stored a due_bucket that had wrapped past the int32 range."""
+    with pytest.raises(InvalidTime, match=r"too late.*6053"):
+        client.schedule("tests.add", [1], eta=dt.datetime(7000, 1, 1, tzinfo=UTC))
+    rows = [{"task": "tests.add", "eta": T0}, {"task": "tests.add", "eta": DUE_LIMIT}]
+    with pytest.raises(InvalidTime, match=r"row 1: .*too late"):
+        client.schedule_many(rows)
+    assert nothing_written(store)
+
+
+@pytest.mark.parametrize("key", ["nightly@2026-12-04T00:00:00Z", "n@2026-12-04T00:00:00.250000Z"])
+def test_a_caller_key_shaped_like_an_occurrence_key_is_refused(
+    client: Client, store: MemoryJobStore, key: str
+) -> None:
+    """Before: accepted; the planner then found the key taken and skipped the occurrence."""
+    with pytest.raises(InvalidJob, match="reserved for the occurrences of periodic schedules"):
+        client.schedule("tests.add", [1], key=key)
+    with pytest.raises(InvalidJob, match=r"row 1: .*reserved for the occurrences"):
+        client.schedule_many([{"task": "tests.add"}, {"task": "tests.add", "key": key}])
+    assert nothing_written(store)
+
+
+def test_occurrences_still_get_their_keys(client: Client) -> None:
+    client.schedules.add("nightly", "tests.add", 60, args=[1])
+    job = client.schedules.trigger("nightly")
+    assert job is not None and job.key.startswith("nightly@") and job.key.endswith("Z")
+
+
+@pytest.mark.parametrize(
+    "name", ["eta", "retries", "shadow", "celery_sched_epoch", "celery_sched_failures"]
+)
+def test_reserved_headers_are_refused_everywhere_a_job_is_defined(
+    client: Client, store: MemoryJobStore, name: str
+) -> None:
+    """Before: accepted, and the header overrode the protocol field at publish."""
+    headers = {"tenant": "a", name: 1}
+    with pytest.raises(InvalidJob, match=f"must not set '{name}'"):
+        client.schedule("tests.add", [1], headers=headers)
+    with pytest.raises(InvalidJob, match=f"row 0: .*must not set '{name}'"):
+        client.schedule_many([{"task": "tests.add", "headers": headers}])
+    with pytest.raises(InvalidSchedule, match=f"must not set '{name}'"):
+        client.schedules.add("s", "tests.add", 60, headers=headers)
+    assert nothing_written(store) and client.schedules.list() == []
+
+
+@pytest.mark.parametrize(
+    ("schedule", "extra", "match"),
+    [
+        (1e300, {}, "interval must be a finite number of seconds, at most"),
+        (MAX_SECONDS * 2, {}, "interval"),
+        (dt.timedelta(days=999_999_999), {}, "interval"),
+        (60, {"catchup_window": math.inf}, "catchup_window"),
+        (60, {"catchup_window": 1e300}, "catchup_window"),
+        (60, {"max_catchup": 2**31}, "max_catchup"),
+        (60, {"max_attempts": 2**31}, "max_attempts"),
+        (60, {"expires": 2e11}, "expires"),
+        (60, {"visibility_timeout": 1e300}, "visibility_timeout"),
+        (clocked("7000-01-01T00:00:00Z"), {}, "clocked time .* not before 6053"),
+    ],
+)
+def test_schedules_that_cannot_be_stored_or_planned_are_refused(
+    client: Client, schedule: Any, extra: dict[str, Any], match: str
+) -> None:
+    """Before: 1e300 raised a bare OverflowError; the others were stored and
+    then failed the planner (an expires that overflows past year 6053, a
+    clocked occurrence whose due_bucket overflows) or the store."""
+    with pytest.raises(InvalidSchedule, match=match):
+        client.schedules.add("s", "tests.add", schedule, **extra)
+    assert client.schedules.list() == []

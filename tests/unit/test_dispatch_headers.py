@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 
@@ -79,3 +80,37 @@ def test_headers_with_limits_and_expiry_match_celery() -> None:
     theirs = _celery_headers(app, job, time_limit=30, soft_time_limit=20, expires=expires)
     assert {k: v for k, v in ours.items() if k not in OURS} == theirs
     assert uuid.UUID(str(ours["id"])) == job.id  # type: ignore[attr-defined]
+
+
+def test_a_stored_headers_option_never_overrides_protocol_fields() -> None:
+    """A row stored before validation refused reserved names: its headers only add.
+
+    Before: ``{**base, **extra}`` let ``eta``, ``retries``, ``shadow``,
+    ``timelimit``, ``parent_id``, ``celery_sched_epoch`` and friends through.
+    """
+    app = _app()
+    job, _ = _stored(app, headers={"tenant": "a"})
+    hostile = {
+        "tenant": "a",
+        "eta": "2000-01-01T00:00:00+00:00",
+        "retries": 99,
+        "shadow": "other.task",
+        "timelimit": [1, 1],
+        "parent_id": "p",
+        "task": "evil.task",
+        HEADER_EPOCH: 999,
+        HEADER_ATTEMPT: 999,
+        "celery_sched_failures": 7,
+    }
+    job = dataclasses.replace(job, options={"headers": hostile})  # type: ignore[type-var]
+    base = base_headers(origin="celery_sched@test", epoch=3)
+    ours = message_headers(base, job, str(job.id))  # type: ignore[attr-defined]
+    clean = message_headers(
+        base,
+        dataclasses.replace(job, options={"headers": {"tenant": "a"}}),  # type: ignore[type-var]
+        str(job.id),  # type: ignore[attr-defined]
+    )
+    assert ours == clean
+    assert ours["tenant"] == "a" and "celery_sched_failures" not in ours
+    assert (ours["eta"], ours["retries"], ours["shadow"], ours[HEADER_EPOCH]) == (None, 0, None, 3)
+    assert base == base_headers(origin="celery_sched@test", epoch=3)  # not mutated

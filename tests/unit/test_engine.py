@@ -550,3 +550,230 @@ def test_the_leader_prunes_old_jobs_and_ledger_entries_a_batch_at_a_time(rig: Ri
     assert all(rig.store.get_by_id(job_id) is None for job_id in finished)
     assert rig.store.get_by_id(kept) is not None
     assert ledger.get("running") is not None and ledger.get("a") is None
+
+
+# -- hardening (issue 13) ----------------------------------------------------------
+
+
+def leading_engine(rig: Rig, dispatcher: MemoryDispatcher | None = None) -> Engine:
+    elector = rig.elector("a")
+    assert elector.try_acquire() is not None
+    return rig.engine(elector, dispatcher)
+
+
+def test_a_job_that_cannot_be_published_fails_alone_and_ends_dead(rig: Rig) -> None:
+    """Defect 1: an unpublishable job counts an attempt per failure and ends
+    dead; it is not released as it was (attempt unchanged, claimed first in
+    every sweep, forever), and its batch goes out."""
+    good = [rig.add(-1) for _ in range(5)]
+    bad = rig.add(-2, max_attempts=3)
+    rig.dispatcher.reject(bad, "queue 'nowhere' is not in task_queues")
+    engine = leading_engine(rig)
+    delay = engine.step()
+    assert sorted(rig.dispatcher.sent_ids()) == sorted(good)
+    job = rig.store.get_by_id(bad)
+    assert job is not None
+    assert (job.status, job.attempt) == (JobStatus.PENDING, 1)
+    assert job.last_error is not None and "nowhere" in job.last_error
+    assert engine.stats.released == 0 and engine.stats.rejected == 1
+    assert delay > 0  # not a hot loop: no broker failure, nothing more due
+    rig.run(engine, 3 * rig.settings.sweep_interval + 1)
+    job = rig.store.get_by_id(bad)
+    assert job is not None
+    assert (job.status, job.attempt) == (JobStatus.DEAD, 3)
+    assert job.finished_at is not None
+    assert job.last_error is not None and "giving up" in job.last_error
+    assert engine.stats.dead == 1
+    assert bad not in rig.dispatcher.sent_ids()
+    assert sorted(rig.dispatcher.sent_ids()) == sorted(good)  # each once
+
+
+def test_the_reconciler_and_pruning_run_while_every_publish_fails(rig: Rig) -> None:
+    """Defect 1: a pass whose publish fails used to raise before reconciling,
+    so a job the broker had lost was not requeued while the outage lasted."""
+    lost = rig.add(-1)
+    engine = leading_engine(rig)
+    engine.step()
+    assert rig.dispatcher.sent_ids() == [lost]  # ...and the broker loses it
+    rig.dispatcher.set_down(True)
+    blocked = rig.add(-1)  # keeps every pass publishing, and failing
+    rig.run(engine, rig.settings.visibility_timeout + 2 * rig.settings.reconcile_interval)
+    job = rig.store.get_by_id(lost)
+    assert job is not None and job.attempt == 1
+    assert engine.stats.requeued >= 1
+    assert engine.stats.failures.get("sweep", 0) + engine.stats.failures.get("pop", 0) > 0
+    assert rig.status(blocked) == JobStatus.PENDING  # released, attempt kept
+    assert rig.store.get_by_id(blocked).attempt == 0  # type: ignore[union-attr]
+    rig.dispatcher.set_down(False)
+    rig.run(engine, rig.settings.sweep_interval + 1)
+    assert sorted(set(rig.dispatcher.sent_ids())) == sorted([lost, blocked])
+
+
+def test_a_broker_outage_backs_the_loop_off(rig: Rig) -> None:
+    rig.add(-1)
+    engine = leading_engine(rig)
+    rig.dispatcher.set_down(True)
+    delays = []
+    for _ in range(4):
+        delays.append(engine.step())
+        rig.clock.advance(rig.settings.sweep_interval)
+        engine.elector.renew()
+    assert delays == sorted(delays) and delays[0] >= 0.25 and delays[-1] > delays[0]
+
+
+@pytest.mark.parametrize(
+    "error", [OverflowError("date value out of range"), KeyError("x"), TypeError("bad row")]
+)
+def test_any_exception_in_a_duty_is_survived_and_the_others_still_run(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, error: Exception, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Defect 6: only CelerySchedError was caught; anything else ended beat."""
+    lost = rig.add(-1)
+    engine = leading_engine(rig)
+    engine.step()
+    real_claim_due = rig.store.claim_due
+
+    def broken_claim_due(**kwargs: Any) -> list[Job]:
+        raise error
+
+    monkeypatch.setattr(rig.store, "claim_due", broken_claim_due)
+    rig.add(-1)
+    with caplog.at_level("ERROR"):
+        rig.run(engine, rig.settings.visibility_timeout + 2 * rig.settings.reconcile_interval)
+    assert engine.stats.failures["sweep"] >= 1
+    assert any(r.exc_info and r.exc_info[1] is error for r in caplog.records)
+    # The reconciler ran although every sweep failed.
+    assert rig.store.get_by_id(lost).attempt == 1  # type: ignore[union-attr]
+    monkeypatch.setattr(rig.store, "claim_due", real_claim_due)
+    rig.run(engine, rig.settings.sweep_interval + 6)
+    assert len(set(rig.dispatcher.sent_ids())) == 2
+
+
+def test_step_never_raises_even_outside_a_duty(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = leading_engine(rig)
+
+    def broken_current() -> Any:
+        raise RuntimeError("a bug in the loop itself")
+
+    monkeypatch.setattr(engine.elector, "current", broken_current)
+    delays = [engine.step() for _ in range(3)]
+    assert all(d > 0 for d in delays) and engine.stats.failures["pass"] == 3
+
+    def interrupted() -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.elector, "current", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+
+
+def test_beat_tick_survives_an_exception_from_the_engine() -> None:
+    from celery import Celery
+
+    from celery_sched.beat import ERROR_DELAY, Scheduler
+
+    class Broken:
+        def step(self) -> float:
+            raise ValueError("boom")
+
+        def stop(self) -> None:
+            pass
+
+    app = Celery("tick_test", set_as_current=False)
+    scheduler = Scheduler(app, lazy=True)
+    scheduler._engine = Broken()
+    assert scheduler.tick() == ERROR_DELAY
+    assert scheduler.tick() == ERROR_DELAY
+
+
+def test_a_leader_whose_lease_runs_out_mid_batch_publishes_no_further_chunk(rig: Rig) -> None:
+    """Defect 4: the lease is checked before every chunk; jobs not yet sent
+    stay dispatched, untouched, for the next leader's reconciler."""
+    ids = [rig.add(-1) for _ in range(rig.settings.batch_size)]
+    dispatcher = MemoryDispatcher(chunk=10)
+    # Each chunk takes a second (a slow broker, a pause); the lease is
+    # locally valid for ttl - margin = 2.7 s after it was taken.
+    dispatcher.before_chunk = lambda: rig.clock.advance(1.0)
+    engine = leading_engine(rig, dispatcher)
+    engine.step()
+    sent = dispatcher.sent_ids()
+    assert len(sent) == 20  # chunks at +1 s and +2 s; not at +3 s
+    assert engine.stats.withheld == 30 and engine.stats.released == 0
+    unsent = [i for i in ids if i not in sent]
+    for job_id in unsent:
+        job = rig.store.get_by_id(job_id)
+        assert job is not None
+        assert (job.status, job.attempt, job.leader_epoch) == (
+            JobStatus.DISPATCHED,
+            0,
+            engine.epoch,
+        )
+    # A successor requeues them after the visibility timeout and sends them.
+    rig.clock.advance(rig.settings.visibility_timeout + 1)
+    dispatcher.before_chunk = None
+    successor = rig.engine(rig.elector("b"), dispatcher)
+    rig.run(successor, rig.settings.reconcile_interval + rig.settings.sweep_interval + 1)
+    # (The 20 sent ones went again too: no worker reported them started.)
+    assert sorted(set(dispatcher.sent_ids()[20:])) == sorted(ids)
+
+
+def test_a_forward_wall_clock_step_expires_nothing_early(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect 13: store time was wall clock + an offset measured at staging,
+    so a forward step of the beat host's clock between two measurements ran
+    it ahead of the database, and a job expiring in 10 minutes was expired."""
+    jump = dt.timedelta(0)
+    engine = Engine(
+        store=rig.store,  # the database's clock does not jump
+        staging=rig.staging,
+        dispatcher=rig.dispatcher,
+        elector=rig.elector("a"),
+        settings=rig.settings,
+        clock=rig.clock.mono,
+        wall=lambda: rig.clock.wall() + jump,
+    )
+    assert engine.elector.try_acquire() is not None
+    engine.step()  # measures the store's time
+    job_id = rig.add(-1, expires_at=rig.clock.wall() + dt.timedelta(minutes=10))
+    real_claim_due = rig.store.claim_due
+
+    def claim_due(**kwargs: Any) -> list[Job]:
+        nonlocal jump
+        jump = dt.timedelta(hours=1)  # NTP steps the clock during the pass
+        return real_claim_due(**kwargs)
+
+    monkeypatch.setattr(rig.store, "claim_due", claim_due)
+    rig.run(engine, rig.settings.sweep_interval + 0.5)
+    assert rig.dispatcher.sent_ids() == [job_id]
+    assert rig.status(job_id) == JobStatus.DISPATCHED
+    assert engine.stats.expired == 0
+    assert abs(engine.store_now() - rig.store.now()) < dt.timedelta(seconds=1)
+
+
+def test_the_rescuer_requeues_jobs_of_a_silent_worker_on_its_own_interval(rig: Rig) -> None:
+    """Defect 12: a job whose worker process died stayed running for ever."""
+    rig.settings = dataclasses.replace(rig.settings, worker_timeout=8.0)  # rescue every 2 s
+    job_id = rig.add(-1)
+    engine = leading_engine(rig)
+    engine.step()
+    rig.store.heartbeat("w1", 42)
+    assert rig.store.mark_running(job_id, worker="w1", worker_pid=42)
+    passes: list[float] = []
+    rescue = rig.store.rescue
+
+    def counted(**kwargs: Any) -> Any:
+        passes.append(rig.clock.offset)
+        return rescue(**kwargs)
+
+    rig.store.rescue = counted  # type: ignore[method-assign]
+    rig.run(engine, 7.0)  # the process went silent, but not for worker_timeout yet
+    assert rig.status(job_id) == JobStatus.RUNNING
+    assert engine.stats.rescued == 0
+    rig.run(engine, 4.0 + rig.settings.sweep_interval)
+    job = rig.store.get_by_id(job_id)
+    assert job is not None and job.attempt == 1
+    assert engine.stats.rescued == 1 and engine.stats.requeued == 1
+    assert rig.dispatcher.sent_ids() == [job_id, job_id]  # requeued, then sent again
+    gaps = [later - earlier for earlier, later in itertools.pairwise(passes)]
+    assert gaps and all(abs(gap - 2.0) < 0.15 for gap in gaps)

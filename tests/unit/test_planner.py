@@ -21,7 +21,7 @@ from celery_sched.errors import (
     UnknownTimezone,
 )
 from celery_sched.models import JobStatus
-from celery_sched.planner import Planner, cursor_before, first_nominal
+from celery_sched.planner import Planner, broken_reason, cursor_before, first_nominal
 from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
 
@@ -338,14 +338,112 @@ def test_a_pass_stops_at_its_budget() -> None:
     assert not result.more and result.schedules == 3
 
 
-def test_an_unplannable_row_is_parked(rig: Rig) -> None:
-    rig.client.schedules.add("bad", "t.tick", 10)
-    row = rig.store.get_schedule("bad")
+def _store_corrupt(rig: Rig, name: str, **changes: Any) -> None:
+    """Add a valid schedule ``name``, then change its stored row behind the
+    API's back (what an older version, a bug or a hand edit could leave)."""
+    rig.client.schedules.add(name, "t.tick", 10)
+    row = rig.store.get_schedule(name)
     assert row is not None
-    rig.store._schedules["bad"] = dataclasses.replace(row, timezone="Mars/Olympus")
+    rig.store._schedules[name] = dataclasses.replace(row, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        # The OverflowError of issue 13, raised while computing the occurrence's
+        # expires_at: 3e11 s (9,500 years) past 2026 is past datetime.max, and
+        # 1e300 s is past what a timedelta holds.
+        ({"options": {"expires": 3e11}}, "expires"),
+        ({"options": {"expires": 1e300}}, "expires"),
+        ({"timezone": "Mars/Olympus"}, "Mars/Olympus"),
+        ({"spec": {"seconds": "often"}}, "often"),
+        ({"kind": "lunar"}, "lunar"),
+        ({"options": {"max_attempts": "many"}}, "many"),
+    ],
+)
+def test_an_unplannable_schedule_is_marked_broken_and_the_others_fire(
+    changes: dict[str, Any], reason: str
+) -> None:
+    rig = make_rig()  # the bad one sits in one batch between two good ones
+    rig.client.schedules.add("a-good", "t.tick", 10)
+    _store_corrupt(rig, "b-bad", **changes)
+    rig.client.schedules.add("c-good", "t.tick", 10)
     result = rig.plan()
-    assert result.parked == 1 and rig.dues("bad") == []
-    assert rig.store.get_schedule("bad").next_nominal_at is None  # type: ignore[union-attr]
+    assert result.broken == 1 and result.schedules == 3
+    assert rig.dues("a-good") == rig.dues("c-good") == [10, 20, 30, 40, 50, 60]
+    assert rig.dues("b-bad") == []
+    row = rig.store.get_schedule("b-bad")
+    assert row is not None and row.broken_at == START
+    assert row.broken_reason is not None and reason in row.broken_reason
+    assert row.next_nominal_at == START + 10 * S  # the cursor is kept for a retry
+    info = rig.client.schedules.get("b-bad")
+    assert info is not None and info.state == "broken" and info.next_run_at is None
+    assert info.broken_reason == row.broken_reason and info.broken_at == START
+    assert rig.client.schedules.counts() == {"active": 2, "broken": 1}
+    rig.clock.at(30)
+    again = rig.plan()  # a broken schedule is no longer read, nor marked again
+    assert again.schedules == 2 and again.broken == 0
+    assert rig.planner.stats.broken == 1
+
+
+def test_the_overflowing_expires_of_the_issue(rig: Rig) -> None:
+    rig.client.schedules.add("fine", "t.tick", 10)
+    _store_corrupt(rig, "far", options={"expires": 3e11})
+    rig.plan()
+    row = rig.store.get_schedule("far")
+    assert row is not None and row.broken_reason is not None
+    assert row.broken_reason.startswith("InvalidSchedule: schedule 'far': expires 3e+11")
+    assert "latest date" in row.broken_reason
+    assert len(rig.dues("fine")) == 6
+
+
+def test_a_user_change_clears_the_broken_mark(rig: Rig) -> None:
+    _store_corrupt(rig, "bad", options={"expires": 3e11})
+    rig.plan()
+    assert rig.client.schedules.get("bad").state == "broken"  # type: ignore[union-attr]
+    # Paused, it shows as paused (and keeps its reason); resuming retries it.
+    assert rig.client.schedules.pause("bad").state == "paused"
+    row = rig.store.get_schedule("bad")
+    assert row is not None and row.broken_at is not None
+    rig.plan()
+    resumed = rig.client.schedules.resume("bad")
+    assert resumed.state == "active" and resumed.broken_reason is None
+    rig.plan()  # still unplannable: broken again
+    assert rig.client.schedules.get("bad").state == "broken"  # type: ignore[union-attr]
+    # resume also retries a broken schedule that was never paused
+    assert rig.client.schedules.resume("bad").state == "active"
+    rig.plan()
+    fixed = rig.client.schedules.update("bad", expires=60)
+    assert fixed.state == "active" and fixed.broken_at is None
+    rig.plan()
+    assert rig.dues("bad") == [10, 20, 30, 40, 50, 60]
+    job = rig.store.get("bad@2026-03-02T12:00:10Z")
+    assert job is not None and job.expires_at == job.due_at + 60 * S
+
+
+def test_a_concurrent_fix_wins_over_marking_broken(rig: Rig) -> None:
+    _store_corrupt(rig, "bad", options={"expires": 3e11})
+    stale = rig.store.get_schedule("bad")
+    assert stale is not None
+    rig.client.schedules.update("bad", expires=60)  # the user's fix lands first
+    assert not rig.store.mark_schedule_broken(stale.id, version=stale.version, reason="old")
+    row = rig.store.get_schedule("bad")
+    assert row is not None and row.broken_at is None and row.broken_reason is None
+
+
+def test_a_broken_reason_is_one_storable_line() -> None:
+    reason = broken_reason(ValueError("bad\x00name \udc80\n  line two " + "x" * 1000))
+    assert reason.startswith("ValueError: bad\\x00name \\udc80 line two x")
+    assert "\x00" not in reason and "\n" not in reason and len(reason) == 500
+    reason.encode("utf-8")  # no lone surrogate left
+
+
+def test_an_invalid_stored_definition_is_broken_not_finished(rig: Rig) -> None:
+    _store_corrupt(rig, "bad", timezone="Mars/Olympus")
+    rig.plan()
+    info = rig.client.schedules.get("bad")
+    assert info is not None and info.state == "broken"
+    assert info.broken_reason is not None and "Mars/Olympus" in info.broken_reason
     assert rig.plan().schedules == 0
 
 

@@ -119,6 +119,22 @@ def test_database_url_is_forced_onto_psycopg() -> None:
         ("redis://:hunter2@cache:6379/0", "redis://:***@cache:6379/0"),
         ("amqp://guest:p%40ss@mq//", "amqp://guest:***@mq//"),
         ("postgresql://u@db/app", "postgresql://u@db/app"),
+        # Passwords given as query parameters (issue 13, defect 9).
+        (
+            "postgresql+psycopg://u@db/app?password=hunter2&sslmode=require",
+            "postgresql+psycopg://u@db/app?password=***&sslmode=require",
+        ),
+        (
+            "postgresql://u:hunter2@db/app?sslpassword=hunter2&application_name=x",
+            "postgresql://u:***@db/app?sslpassword=***&application_name=x",
+        ),
+        ("redis://cache:6379/0?password=hunter2", "redis://cache:6379/0?password=***"),
+        ("rediss://cache/0?db=1&PASSWORD=hunter2", "rediss://cache/0?db=1&PASSWORD=***"),
+        ("redis://cache/0?pass%77ord=hunter2", "redis://cache/0?pass%77ord=***"),
+        ("unix:///tmp/r.sock?db=0&password=hunter2", "unix:///tmp/r.sock?db=0&password=***"),
+        ("amqp://mq//?auth_token=hunter2;heartbeat=5", "amqp://mq//?auth_token=***;heartbeat=5"),
+        ("host=db password=hunter2 dbname=app", "host=db password=*** dbname=app"),
+        ("postgresql://db/app?options=-c%20x%3Dy", "postgresql://db/app?options=-c%20x%3Dy"),
     ],
 )
 def test_sanitize_url_hides_passwords(url: str, expected: str) -> None:
@@ -137,6 +153,25 @@ def test_safe_urls_hide_passwords() -> None:
     ):
         assert "hunter2" not in text
         assert "***" in text
+
+
+def test_safe_urls_hide_query_passwords() -> None:
+    """Before: ``?password=`` went to the beat banner, the CLI and every log line."""
+    settings = Settings(
+        database_url="postgresql+psycopg://u@db/app?password=hunter2&sslpassword=hunter3",
+        redis_url="redis://cache:6379/0?password=hunter4",
+    )
+    for text in (settings.safe_database_url, settings.safe_redis_url, repr(settings)):
+        for secret in ("hunter2", "hunter3", "hunter4"):
+            assert secret not in text
+    assert settings.safe_database_url.endswith("?password=***&sslpassword=***")
+
+
+def test_settings_repr_hides_passwords() -> None:
+    settings = Settings(database_url="postgresql://u:hunter2@db/app", redis_url="redis://:x9@h/0")
+    text = repr(settings)
+    assert "hunter2" not in text and "x9" not in text
+    assert "database_url='postgresql://u:***@db/app'" in text and "db_schema=" in text
 
 
 def test_settings_are_frozen() -> None:

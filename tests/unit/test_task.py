@@ -222,6 +222,78 @@ def test_a_key_whose_holder_died_is_taken_over(env: Env) -> None:
     assert entry is not None and entry.state == LedgerState.COMPLETED and entry.attempts == 2
 
 
+def test_a_job_key_reused_after_its_job_was_pruned_runs_the_new_job(env: Env) -> None:
+    # Issue 13 (3): the ledger entry outlives the pruned job row; a new job
+    # with the same key must run with its own arguments, not return the old
+    # result.
+    old_id = env.dispatched("order-1")
+    assert env.deliver("t.charge", old_id, "order-1", 12.5).get() == {"charged": 12.5}
+    tracking.flush_all()
+    env.clock.advance(60)
+    assert env.store.prune(older_than=30, batch=10) == 1
+    assert env.store.get("order-1") is None
+    new = env.app.tasks["t.charge"].schedule(args=(99,), key="order-1")
+    assert new.id != old_id
+    epoch = env.store.acquire_epoch(0, "test")
+    env.store.claim_ids([new.id], shard=0, epoch=epoch)
+    result = env.deliver("t.charge", new.id, "order-1", *new.args)
+    assert result.get() == {"charged": 99}
+    assert env.calls == [12.5, 99]
+    entry = env.ledger.get("order-1")
+    assert entry is not None and entry.state == LedgerState.COMPLETED
+    assert (entry.job_id, entry.result, entry.attempts) == (new.id, {"charged": 99}, 1)
+    # Its own duplicate delivery still does not run again.
+    assert env.deliver("t.charge", new.id, "order-1", 99).get() == {"charged": 99}
+    assert env.calls == [12.5, 99]
+
+
+def test_an_explicit_idempotency_key_completed_by_an_earlier_job_does_not_run(env: Env) -> None:
+    @env.app.task(name="t.keyed", base=Task, shared=False, idempotency_key="pay:{amount}")
+    def keyed(amount: int) -> int:
+        env.calls.append(amount)
+        return amount
+
+    assert env.deliver("t.keyed", env.dispatched("a"), "a", 5).get() == 5
+    assert env.deliver("t.keyed", env.dispatched("b"), "b", 5).get() == 5
+    assert env.calls == [5]
+
+
+def test_fenced_deliveries_are_acknowledged_without_running_or_moving_the_row(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 13 (4, 7): the ledger's acquire reads the job row.
+    env.ledger.jobs = env.store
+    requeued = env.dispatched("requeued", visibility_timeout=5)
+    env.clock.advance(10)
+    env.store.reconcile(shard=0, epoch=1, limit=10, default_visibility_timeout=300)
+    job = env.store.get_by_id(requeued)
+    assert job is not None and (job.status, job.attempt) == (JobStatus.PENDING, 1)
+    env.store.insert(new_job("cancelled", env.store.now() + dt.timedelta(hours=1)))
+    assert env.store.cancel("cancelled")
+    cancelled = env.store.get("cancelled")
+    assert cancelled is not None
+
+    with caplog.at_level(logging.WARNING, logger="celery_sched.task"):
+        stale = env.deliver("t.charge", requeued, "requeued", 1, celery_sched_attempt=0)
+        gone = env.deliver("t.charge", cancelled.id, "cancelled", 2, celery_sched_attempt=0)
+    assert (stale.state, gone.state) == ("IGNORED", "IGNORED")
+    assert env.calls == []
+    assert "attempt 0 is older than the job's attempt 1" in caplog.text
+    assert "the job is cancelled" in caplog.text
+    assert env.ledger.get("requeued") is None and env.ledger.get("cancelled") is None
+    tracking.flush_all()
+    # The stale delivery's start report did not move the requeued row.
+    assert env.store.get("requeued").status == JobStatus.PENDING  # type: ignore[union-attr]
+    assert env.store.get("cancelled").status == JobStatus.CANCELLED  # type: ignore[union-attr]
+
+    # The current attempt runs.
+    current = env.deliver("t.charge", requeued, "requeued", 3, celery_sched_attempt=1)
+    assert current.get() == {"charged": 3}
+    assert env.calls == [3]
+    tracking.flush_all()
+    assert env.store.get("requeued").status == JobStatus.SUCCEEDED  # type: ignore[union-attr]
+
+
 def test_an_unavailable_ledger_delays_the_task_instead_of_running_it(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:

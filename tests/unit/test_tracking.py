@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ from celery import Celery
 from celery_sched import tracking
 from celery_sched.errors import StoreError, StoreUnavailable
 from celery_sched.models import JobStatus, WorkerUpdate
+from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
+from celery_sched.store.postgres import PostgresJobStore
 from tests.contract.conftest import new_job
 
 
@@ -254,3 +257,255 @@ def test_other_messages_sent_from_a_task_do_not_get_its_headers(broker_app: Cele
         _leave(task)
     headers = _published_headers(broker_app)
     assert "celery_sched_key" not in headers
+
+
+# -- issue 13 (2): one bad report never breaks a worker's reporting -----------
+
+
+def _postgres_app(settings: Settings) -> tuple[Celery, PostgresJobStore]:
+    store = PostgresJobStore(settings)
+    store.migrate()
+    app = Celery("tracking-pg-test", set_as_current=False)
+    app.conf.task_always_eager = True
+    tracking.install(app, store=store)
+
+    @app.task(name="t.ok", shared=False)
+    def ok() -> str:
+        return "fine"
+
+    @app.task(name="t.raises", shared=False)
+    def raises(message: str) -> None:
+        raise OSError(message)
+
+    return app, store
+
+
+def _pg_dispatched(store: PostgresJobStore, key: str) -> uuid.UUID:
+    job = new_job(key, store.now() - dt.timedelta(seconds=1))
+    store.insert(job)
+    epoch = store.current_epoch(0) or store.acquire_epoch(0, "t")
+    assert store.claim_ids([job.id], shard=0, epoch=epoch)
+    return job.id
+
+
+def test_a_nul_in_an_error_costs_no_report_of_the_batch(settings: Settings) -> None:
+    # PostgreSQL text refuses NUL: it used to drop the whole batch.
+    app, store = _postgres_app(settings)
+    try:
+        before = _pg_dispatched(store, "before")
+        bad = _pg_dispatched(store, "nul")
+        after = _pg_dispatched(store, "after")
+        app.tasks["t.ok"].apply(task_id=str(before), headers={"celery_sched_key": "before"})
+        app.tasks["t.raises"].apply(
+            args=("bad\x00byte",), task_id=str(bad), headers={"celery_sched_key": "nul"}
+        )
+        app.tasks["t.ok"].apply(task_id=str(after), headers={"celery_sched_key": "after"})
+        tracking.flush_all()
+        assert [store.get_by_id(i).status for i in (before, bad, after)] == [  # type: ignore[union-attr]
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+            JobStatus.SUCCEEDED,
+        ]
+        assert store.get_by_id(bad).last_error == "OSError: bad\ufffdbyte"  # type: ignore[union-attr]
+    finally:
+        tracking.flush_all()
+        store.close()
+
+
+def test_a_surrogate_in_an_error_leaves_the_writer_working(settings: Settings) -> None:
+    # A file name that is not UTF-8 (os.fsdecode gives lone surrogates): the
+    # encoding error used to kill the writer thread, so nothing was written again.
+    app, store = _postgres_app(settings)
+    try:
+        bad = _pg_dispatched(store, "surrogate")
+        app.tasks["t.raises"].apply(
+            args=("cannot open " + os.fsdecode(b"/tmp/caf\xe9"),),
+            task_id=str(bad),
+            headers={"celery_sched_key": "surrogate"},
+        )
+        writer = tracking.writer_for(app)
+        _wait_for(lambda: store.get_by_id(bad).status is JobStatus.FAILED)  # type: ignore[union-attr]
+        assert store.get_by_id(bad).last_error == "OSError: cannot open /tmp/caf?"  # type: ignore[union-attr]
+        later = _pg_dispatched(store, "later")
+        app.tasks["t.ok"].apply(task_id=str(later), headers={"celery_sched_key": "later"})
+        _wait_for(lambda: store.get_by_id(later).status is JobStatus.SUCCEEDED)  # type: ignore[union-attr]
+        assert writer.alive and tracking.writer_for(app) is writer
+    finally:
+        tracking.flush_all()
+        store.close()
+
+
+class PickyStore(MemoryJobStore):
+    """A memory store that refuses any batch holding a report of ``bad``."""
+
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__()
+        self.error = error
+        self.bad: set[uuid.UUID] = set()
+
+    def apply_worker_updates(self, updates: Any) -> int:
+        if any(update.job_id in self.bad for update in updates):
+            raise self.error("the store refuses this batch")
+        return super().apply_worker_updates(updates)
+
+
+@pytest.mark.parametrize("error", [StoreError, RuntimeError, UnicodeEncodeError])
+def test_only_the_report_the_store_refuses_is_dropped(error: type[Exception]) -> None:
+    store = PickyStore(StoreError if error is UnicodeEncodeError else error)
+    if error is UnicodeEncodeError:
+        # What psycopg raised for a lone surrogate, before reports were cleaned.
+        def refuse(updates: Any) -> int:
+            if any(update.job_id in store.bad for update in updates):
+                "\udcff".encode()
+            return MemoryJobStore.apply_worker_updates(store, updates)
+
+        store.apply_worker_updates = refuse  # type: ignore[method-assign]
+    ids = [_dispatched(store, f"p{i}") for i in range(9)]
+    store.bad = {ids[4]}
+    writer = tracking.StatusWriter(store, interval=60, retry_interval=60)
+    try:
+        for job_id in ids:
+            writer.report(WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker="w"))
+        assert writer.flush() is True
+        statuses = [store.get_by_id(i).status for i in ids]  # type: ignore[union-attr]
+        assert (
+            statuses == [JobStatus.RUNNING] * 4 + [JobStatus.DISPATCHED] + [JobStatus.RUNNING] * 4
+        )
+    finally:
+        writer.close()
+
+
+def test_the_writer_thread_survives_what_a_write_raises() -> None:
+    store = PickyStore(RuntimeError)
+    bad, good = _dispatched(store, "bad"), _dispatched(store, "good")
+    store.bad = {bad}
+    writer = tracking.StatusWriter(store, interval=0.01, retry_interval=0.01)
+    try:
+        writer.report(WorkerUpdate(job_id=bad, status=JobStatus.RUNNING, worker="w"))
+        time.sleep(0.1)
+        writer.report(WorkerUpdate(job_id=good, status=JobStatus.RUNNING, worker="w"))
+        _wait_for(lambda: store.get_by_id(good).status is JobStatus.RUNNING)  # type: ignore[union-attr]
+        assert writer.alive
+    finally:
+        writer.close()
+
+
+def test_a_writer_whose_thread_died_is_replaced_and_its_reports_written(
+    app_and_store: tuple[Celery, MemoryJobStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, store = app_and_store
+    job_id = _dispatched(store, "orphaned-report")
+    tracking.flush_all()
+    tracking._writers.pop(id(app), None)
+    # A thread that ends at once stands in for one killed by a bug.
+    monkeypatch.setattr(tracking.StatusWriter, "_run", lambda self: None)
+    dead = tracking.writer_for(app)
+    dead._thread.join()
+    dead.report(WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker="w"))
+    monkeypatch.undo()
+    writer = tracking.writer_for(app)
+    assert writer is not dead and writer.alive
+    _wait_for(lambda: store.get_by_id(job_id).status is JobStatus.RUNNING)  # type: ignore[union-attr]
+
+
+# -- issue 13 (12): heartbeats, pids and lost worker processes ----------------
+
+
+class BeatCountingStore(MemoryJobStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats: list[tuple[str, int, bool]] = []
+
+    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+        self.beats.append((hostname, pid, first))
+        super().heartbeat(hostname, pid, first=first)
+
+
+def test_the_writer_beats_for_its_process_once_it_started_a_job() -> None:
+    store = BeatCountingStore()
+    job_id = _dispatched(store, "beats")
+    writer = tracking.StatusWriter(store, interval=0.01, heartbeat_interval=0.05)
+    try:
+        time.sleep(0.1)
+        assert store.beats == []  # no job started here yet
+        pid = os.getpid()
+        writer.report(
+            WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker="w@h", worker_pid=pid)
+        )
+        _wait_for(lambda: len(store.beats) >= 3)
+        assert store.beats[0] == ("w@h", pid, True)  # the first beat resets started_at
+        assert set(store.beats[1:]) == {("w@h", pid, False)}
+        assert ("w@h", pid) in store._workers
+    finally:
+        writer.close()
+    job = store.get_by_id(job_id)
+    assert job is not None and (job.status, job.worker_pid) == (JobStatus.RUNNING, os.getpid())
+
+
+def test_a_running_report_carries_the_pid(app_and_store: tuple[Celery, MemoryJobStore]) -> None:
+    app, store = app_and_store
+    job_id = _dispatched(store, "with-pid")
+
+    @app.task(name="t.checks", bind=True, shared=False)
+    def checks(self: Any) -> None:
+        tracking.flush_all()
+        job = store.get_by_id(job_id)
+        assert job is not None and job.worker_pid == os.getpid()
+
+    result = app.tasks["t.checks"].apply(task_id=str(job_id), headers={"celery_sched_key": "p"})
+    assert result.successful(), result.traceback
+
+
+def _lose(
+    app: Celery, task_name: str, job_id: uuid.UUID, exc: BaseException, **headers: Any
+) -> None:
+    """Send task_failure as a worker's main process does for a lost child:
+    the delivery's request pushed on the task."""
+    from celery import signals
+
+    task = app.tasks[task_name]
+    task.push_request(id=str(job_id), **headers)
+    try:
+        signals.task_failure.send(sender=task, task_id=str(job_id), exception=exc)
+    finally:
+        task.pop_request()
+
+
+def test_a_lost_child_requeues_its_job_at_once(
+    app_and_store: tuple[Celery, MemoryJobStore],
+) -> None:
+    from billiard.exceptions import WorkerLostError
+
+    app, store = app_and_store
+    job_id = _dispatched(store, "lost")
+    store.mark_running(job_id, worker="w", worker_pid=12345)
+    lost = WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL) Job: 0.")
+    _lose(app, "t.ok", job_id, lost, celery_sched_key="lost", celery_sched_attempt=0)
+    tracking.flush_all()
+    job = store.get_by_id(job_id)
+    assert job is not None
+    assert (job.status, job.attempt) == (JobStatus.PENDING, 1)
+    assert job.last_error is not None
+    assert job.last_error.startswith("its worker process was lost: WorkerLostError: Worker exited")
+
+
+def test_other_failures_and_foreign_messages_are_left_to_task_postrun(
+    app_and_store: tuple[Celery, MemoryJobStore],
+) -> None:
+    from billiard.exceptions import WorkerLostError
+
+    app, store = app_and_store
+    job_id = _dispatched(store, "not-lost")
+    store.mark_running(job_id, worker="w", worker_pid=1)
+    _lose(app, "t.ok", job_id, ValueError("an ordinary failure"), celery_sched_key="not-lost")
+    _lose(app, "t.ok", job_id, WorkerLostError("no celery_sched headers"))
+    _lose(
+        app,
+        "t.ok",
+        job_id,
+        WorkerLostError("an older delivery"),
+        celery_sched_key="not-lost",
+        celery_sched_attempt=3,
+    )
+    tracking.flush_all()
+    assert store.get_by_id(job_id).status is JobStatus.RUNNING  # type: ignore[union-attr]

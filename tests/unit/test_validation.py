@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kombu.serialization import dumps, loads
 
+from celery_sched.dispatch import RESERVED_HEADERS, base_headers, is_reserved_header
 from celery_sched.errors import (
     AmbiguousTime,
     InvalidArguments,
@@ -29,9 +30,15 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
-from celery_sched.models import EMPTY_OPTIONS, NEW_JOB_ROW, NewJob
+from celery_sched.models import DUE_LIMIT, EMPTY_OPTIONS, MAX_SECONDS, NEW_JOB_ROW, NewJob
+from celery_sched.schedules import occurrence_key
 from celery_sched.settings import Settings
-from celery_sched.validation import MAX_KEY_LENGTH, JobBuilder, UUID7Source
+from celery_sched.validation import (
+    MAX_KEY_LENGTH,
+    JobBuilder,
+    UUID7Source,
+    is_occurrence_key,
+)
 
 UTC = dt.UTC
 NOW = dt.datetime(2024, 6, 1, 12, 0, tzinfo=UTC)
@@ -526,9 +533,9 @@ _options = st.fixed_dictionaries(
         "priority": st.integers(0, 255),
         "max_attempts": st.integers(1, 9),
         "expires": st.floats(1, 1e6),
-        # NUL is refused by validation (jsonb cannot store it): tested elsewhere.
+        # NUL and reserved names are refused by validation: tested elsewhere.
         "headers": st.dictionaries(
-            st.text(max_size=4).filter(lambda k: "\x00" not in k),
+            st.text(max_size=4).filter(lambda k: "\x00" not in k and not is_reserved_header(k)),
             _scalars.filter(lambda v: not (isinstance(v, str) and "\x00" in v)),
             max_size=2,
         ),
@@ -599,3 +606,179 @@ def test_bulk_row_without_options_shares_the_read_only_empty_mapping(builder: Jo
         row[NEW_JOB_ROW.index("options")]["queue"] = "x"  # type: ignore[index]
     # NewJobs never share it.
     assert NewJob.from_row(row).options == {} and NewJob.from_row(row).options is not EMPTY_OPTIONS
+
+
+# -- values the store cannot hold (issue 13, defects 6 and 11) ------------------------
+
+ROW_FIELDS = frozenset({"task", "args", "kwargs", "eta", "countdown", "key"})
+
+
+def test_the_due_limit_is_the_end_of_the_int32_minute_bucket() -> None:
+    assert dt.datetime(1970, 1, 1, tzinfo=UTC) + dt.timedelta(minutes=2**31) == DUE_LIMIT
+    assert DUE_LIMIT.year == 6053
+
+
+@pytest.mark.parametrize(
+    "eta",
+    [
+        DUE_LIMIT,
+        DUE_LIMIT + dt.timedelta(days=1),
+        dt.datetime(9999, 12, 31, 23, 59, tzinfo=UTC),
+        "7000-01-01T00:00:00+00:00",
+    ],
+)
+def test_a_due_time_past_the_bucket_range_is_refused_on_both_paths(
+    builder: JobBuilder, eta: Any
+) -> None:
+    """Before: build() made a row whose due_bucket overflowed int32 (StoreError
+    at insert) and build_row() a negative-or-wrapped bucket stored silently."""
+    with pytest.raises(InvalidTime, match=r"too late.*6053"):
+        build(builder, "tests.add", eta=eta)
+    with pytest.raises(InvalidTime, match=r"too late.*6053"):
+        builder.build_row({"task": "tests.add", "eta": eta}, fixed_now, ROW_FIELDS)
+    with pytest.raises(InvalidTime, match="too late"):
+        builder.build_row({"task": "tests.add", "eta": eta, "queue": "q"}, fixed_now, ROW_FIELDS)
+
+
+def test_a_countdown_past_the_bucket_range_is_refused(builder: JobBuilder) -> None:
+    seconds = (DUE_LIMIT - NOW).total_seconds()
+    with pytest.raises(InvalidTime, match="too late"):
+        build(builder, "tests.add", countdown=seconds)
+    with pytest.raises(InvalidTime, match="too late"):
+        builder.build_row({"task": "tests.add", "countdown": seconds}, fixed_now, ROW_FIELDS)
+
+
+def test_the_last_storable_due_time_is_accepted(builder: JobBuilder) -> None:
+    last = DUE_LIMIT - dt.timedelta(microseconds=1)
+    assert build(builder, "tests.add", eta=last).due_bucket == 2**31 - 1
+    row = builder.build_row({"task": "tests.add", "eta": last}, fixed_now, ROW_FIELDS)
+    assert row[NEW_JOB_ROW.index("due_bucket")] == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("max_attempts", 2**31),
+        ("visibility_timeout", 1e300),
+        ("max_runtime", MAX_SECONDS * 2),
+        ("time_limit", 1e300),
+        ("soft_time_limit", 1e20),
+        ("expires", 1e300),
+        ("expires", MAX_SECONDS + 1),
+    ],
+)
+def test_values_that_cannot_be_stored_or_computed_with_are_refused(
+    builder: JobBuilder, name: str, value: Any
+) -> None:
+    """Before: max_attempts 2**31 overflowed the integer column (StoreError),
+    and a visibility_timeout of 1e300 was stored, then failed every reconcile
+    (an interval off now() out of range)."""
+    with pytest.raises(InvalidJob, match=name):
+        build(builder, "tests.add", options={name: value})
+    with pytest.raises(InvalidJob, match=name):
+        builder.build_row({"task": "tests.add", name: value}, fixed_now, ROW_FIELDS)
+
+
+def test_the_largest_values_are_accepted(builder: JobBuilder) -> None:
+    job = build(
+        builder,
+        "tests.add",
+        options={"max_attempts": 2**31 - 1, "visibility_timeout": MAX_SECONDS, "expires": 1e9},
+    )
+    assert job.max_attempts == 2**31 - 1 and job.visibility_timeout == MAX_SECONDS
+
+
+# -- reserved headers (issue 13, defect 10) ------------------------------------------
+
+
+def test_reserved_headers_cover_celerys_protocol_and_our_own(app: Celery) -> None:
+    message = app.amqp.as_task_v2("id", "tests.add", (), {})
+    assert set(message.headers) <= RESERVED_HEADERS
+    ours = base_headers(origin="o", epoch=1)
+    assert all(is_reserved_header(name) for name in ours)
+    assert is_reserved_header("celery_sched_failures")  # celery_sched.Task's retry count
+    assert is_reserved_header("celery_sched_anything_added_later")
+    assert not is_reserved_header("tenant") and not is_reserved_header("celery_schedX")
+
+
+_RESERVED_SAMPLES = [
+    *sorted(RESERVED_HEADERS),
+    "celery_sched_key",
+    "celery_sched_attempt",
+    "celery_sched_epoch",
+    "celery_sched_failures",
+    "celery_sched_future",
+]
+
+
+@pytest.mark.parametrize("name", _RESERVED_SAMPLES)
+def test_headers_option_may_not_set_a_reserved_name(builder: JobBuilder, name: str) -> None:
+    """Before: accepted, and the header replaced the protocol field in the message."""
+    headers = {"tenant": "a", name: 1}
+    with pytest.raises(InvalidJob, match=f"must not set '{name}'.*reserved"):
+        build(builder, "tests.add", options={"headers": headers})
+    with pytest.raises(InvalidJob, match=f"must not set '{name}'"):
+        builder.build_row({"task": "tests.add", "headers": headers}, fixed_now, ROW_FIELDS)
+
+
+def test_headers_option_with_other_names_is_kept(builder: JobBuilder) -> None:
+    job = build(builder, "tests.add", options={"headers": {"tenant": "a", "eta_hint": 1}})
+    assert dict(job.options["headers"]) == {"tenant": "a", "eta_hint": 1}
+
+
+# -- caller keys shaped like occurrence keys (issue 13, item 13) ---------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.text(min_size=1, max_size=12).filter(lambda n: n.strip()),
+    nominal=st.datetimes(
+        min_value=dt.datetime(1, 1, 1), max_value=dt.datetime(9999, 12, 31), timezones=st.just(UTC)
+    ),
+)
+def test_every_key_the_planner_writes_has_the_reserved_form(
+    name: str, nominal: dt.datetime
+) -> None:
+    assert is_occurrence_key(occurrence_key(name, nominal))
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "nightly@2026-12-04T00:00:00Z",
+        "nightly@2026-12-04T00:00:00.000001Z",
+        "a@b@0001-01-01T00:00:00Z",
+        "report:eu@2030-06-30T23:59:59Z",
+        "x@9999-12-31T23:59:59.999999Z",
+    ],
+)
+def test_a_caller_key_shaped_like_an_occurrence_key_is_refused(
+    builder: JobBuilder, key: str
+) -> None:
+    """Before: accepted; the planner then skipped that occurrence, since its key existed."""
+    with pytest.raises(InvalidJob, match="reserved for the occurrences of periodic schedules"):
+        build(builder, "tests.add", key=key, caller_key=True)
+    with pytest.raises(InvalidJob, match="reserved for the occurrences"):
+        builder.build_row({"task": "tests.add", "key": key}, fixed_now, ROW_FIELDS)
+    # The planner's own sample occurrence (caller_key left False) still builds.
+    assert build(builder, "tests.add", key=key).key == key
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "nightly@2026-12-04",
+        "nightly@2026-12-04T00:00:00",
+        "nightly@2026-12-04T00:00:00+00:00",
+        "nightly@2026-12-04T00:00Z",
+        "nightly@2026-12-04T00:00:00.5Z",
+        "nightly@2026-12-04 00:00:00Z",
+        "@2026-12-04T00:00:00Z",
+        "nightly-2026-12-04T00:00:00Z",
+        "nightly@2026-12-04T00:00:00Zx",
+    ],
+)
+def test_keys_near_the_occurrence_form_are_accepted(builder: JobBuilder, key: str) -> None:
+    assert build(builder, "tests.add", key=key, caller_key=True).key == key
+    row = builder.build_row({"task": "tests.add", "key": key}, fixed_now, ROW_FIELDS)
+    assert row[1] == key

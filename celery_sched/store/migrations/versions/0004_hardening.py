@@ -13,6 +13,8 @@ Create Date: 2026-12-03
 - ``schedules.broken_at`` / ``broken_reason``: a schedule the planner cannot
   plan is set aside with its reason instead of failing every pass; the
   planner's index leaves broken schedules out.
+- ``jobs_retrying_idx``: retrying jobs by shard (small, partial), so the
+  start-up check for rows in shards that no longer exist reads no big index.
 - CHECK constraints on the enum-like text columns of ``schedules``
   (``misfire``, ``overlap``); ``jobs.status``, ``schedules.kind`` and
   ``ledger.state`` already have theirs.
@@ -64,6 +66,15 @@ def upgrade() -> None:
         schema=schema,
         postgresql_where=sa.text("enabled AND NOT paused AND broken_at IS NULL"),
     )
+    # Beat's start-up check for rows in shards a lowered shard count left
+    # behind reads retrying jobs by this instead of scanning the table.
+    op.create_index(
+        "jobs_retrying_idx",
+        "jobs",
+        ["shard"],
+        schema=schema,
+        postgresql_where=sa.text("status = 'retrying'"),
+    )
     op.create_table(
         "workers",
         sa.Column("hostname", sa.Text, nullable=False),
@@ -85,6 +96,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     schema = _schema()
     op.drop_table("workers", schema=schema)
+    op.drop_index("jobs_retrying_idx", table_name="jobs", schema=schema)
     op.drop_index("schedules_plan_idx", table_name="schedules", schema=schema)
     op.create_index(
         "schedules_plan_idx",

@@ -1,0 +1,228 @@
+"""The worker-side delivery fence for plain tasks.
+
+A delivery of a celery_sched job must not run when its job moved on: the
+job was cancelled, given up on (``dead``), expired or already succeeded, or
+it was requeued since this message was sent (the row's ``attempt`` is newer
+than the message's ``celery_sched_attempt`` header); the rule is
+:func:`celery_sched.models.delivery_fence`. ``celery_sched.Task`` applies
+it inside its ledger acquire. A plain task has no ledger, and Celery
+swallows what a ``task_prerun`` handler raises, so the fence sits where a
+stock worker decides whether to run a message at all: the worker request
+class (``Task.Request``). Its :meth:`~celery.worker.request.Request.revoked`
+check, which the worker's main process runs before it hands a message to
+the pool (and again when an ETA comes due), also reads the job row by
+primary key; a fenced delivery is acknowledged and skipped, as a revoked
+task is, but with no revoked state stored or signalled: nothing reports a
+status for it, and the job's current delivery (same task id) is untouched.
+
+:func:`install` (called by :func:`celery_sched.tracking.install`) makes every
+task of the app use such a request class when a worker starts
+(``worker_init``), so tasks registered after ``install`` are covered too; a
+task's own request class is kept, with the fence mixed in. Setting
+``celery_sched_worker_fence`` to false turns it off.
+
+What it does not cover: a worker without tracking installed; a delivery
+already running when its job is cancelled (the check is one read at
+delivery time); and a delivery that arrives while the database is
+unreachable, which runs (at-least-once), as do all deliveries for
+:data:`REOPEN_AFTER` seconds after such a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from celery import signals
+from celery.utils.imports import symbol_by_name
+from celery.worker.state import task_ready
+
+from celery_sched.dispatch import HEADER_ATTEMPT, HEADER_KEY
+from celery_sched.errors import CelerySchedError
+
+if TYPE_CHECKING:
+    from celery_sched.interfaces import Ledger
+
+logger = logging.getLogger(__name__)
+
+#: Seconds deliveries run unchecked after the job store could not be read,
+#: so that an outage costs one failed read per period, not one per message.
+REOPEN_AFTER = 10.0
+
+
+def header(request: Any, name: str) -> Any:
+    """A message header of a task request: a worker makes headers request
+    attributes; an eager ``apply(headers=...)`` and a worker request keep
+    them in a headers mapping."""
+    value = getattr(request, name, None)
+    if value is None:
+        headers = getattr(request, "headers", None) or getattr(request, "request_dict", None)
+        value = (headers or {}).get(name)
+    return value
+
+
+def request_attempt(request: Any) -> int | None:
+    """The ``celery_sched_attempt`` header of a task request, ``None`` if absent or odd."""
+    value = header(request, HEADER_ATTEMPT)
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def request_job_id(request: Any, task_id: Any) -> uuid.UUID | None:
+    """The job id of a celery_sched message (its task id), else ``None``."""
+    if header(request, HEADER_KEY) is None or task_id is None:
+        return None
+    try:
+        return uuid.UUID(str(task_id))
+    except ValueError:
+        return None
+
+
+class DeliveryFence:
+    """Checks the deliveries one process receives against their job rows.
+
+    Fails open: when the row cannot be read the delivery runs, and so do
+    all deliveries for ``reopen_after`` seconds (at-least-once wins over
+    stalling the worker).
+    """
+
+    def __init__(self, ledger: Ledger, *, reopen_after: float = REOPEN_AFTER) -> None:
+        self.ledger = ledger
+        self.reopen_after = reopen_after
+        self._open_until = 0.0
+
+    def check(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
+        """Why the delivery must not run, or ``None`` to run it."""
+        if time.monotonic() < self._open_until:
+            return None
+        try:
+            return self.ledger.check_delivery(job_id, attempt)
+        except CelerySchedError as exc:
+            self._open_until = time.monotonic() + self.reopen_after
+            logger.warning(
+                "delivery fence: cannot read job %s (%s); running its delivery, and every "
+                "delivery for the next %gs, unchecked",
+                job_id,
+                exc,
+                self.reopen_after,
+            )
+            return None
+
+
+_lock = threading.Lock()
+_fences: weakref.WeakKeyDictionary[Any, tuple[int, DeliveryFence]] = weakref.WeakKeyDictionary()
+_injected: weakref.WeakKeyDictionary[Any, Ledger] = weakref.WeakKeyDictionary()
+_installed: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def fence_for(app: Any) -> DeliveryFence:
+    """This process's fence for ``app``, built on first use (after any fork)."""
+    with _lock:
+        cached = _fences.get(app)
+        if cached is not None and cached[0] == os.getpid():
+            return cached[1]
+        ledger = _injected.get(app)
+        if ledger is None:
+            from celery_sched import tracking
+            from celery_sched.backends import build_ledger
+            from celery_sched.settings import Settings
+
+            # Only the store's per-thread raw connections are used here, which
+            # a forked pool child never shares.
+            ledger = build_ledger(Settings.from_app(app), tracking.store_for(app))
+        fence = DeliveryFence(ledger)
+        _fences[app] = (os.getpid(), fence)
+        return fence
+
+
+class FencedRequest:
+    """Mixed into a worker request class: a fenced delivery counts as revoked."""
+
+    def revoked(self) -> bool:
+        if super().revoked():  # type: ignore[misc]
+            return True
+        request: Any = self
+        job_id = request_job_id(request, request.id)
+        if job_id is None:
+            return False
+        attempt = request_attempt(request)
+        reason = fence_for(request.task.app).check(job_id, attempt)
+        if reason is None:
+            return False
+        logger.warning(
+            "task %s[%s]: not running this delivery (attempt %s): %s",
+            request.name,
+            request.id,
+            "?" if attempt is None else attempt,
+            reason,
+        )
+        # What Celery's own revoke does, minus the revoked result, event and
+        # signal: the job's current delivery has this same task id.
+        request._already_revoked = True
+        task_ready(request)
+        request.acknowledge()
+        return True
+
+
+_fenced_classes: dict[type, type] = {}
+
+
+def fenced(base: type) -> type:
+    """``base`` (a worker request class) with the delivery fence mixed in."""
+    if issubclass(base, FencedRequest):
+        return base
+    with _lock:
+        cls = _fenced_classes.get(base)
+        if cls is None:
+            cls = _fenced_classes[base] = type(
+                f"Fenced{base.__name__}", (FencedRequest, base), {"__module__": __name__}
+            )
+        return cls
+
+
+def apply(app: Any) -> int:
+    """Give every task of ``app`` a fenced request class (unless the
+    ``celery_sched_worker_fence`` setting is off); returns how many changed."""
+    from celery_sched.settings import Settings
+
+    if not Settings.from_app(app).worker_fence:
+        logger.info("delivery fence is off (celery_sched_worker_fence)")
+        return 0
+    changed = 0
+    for task in list(app.tasks.values()):
+        current = symbol_by_name(task.Request)
+        if not issubclass(current, FencedRequest):
+            task.Request = fenced(current)
+            changed += 1
+    return changed
+
+
+def install(app: Any, *, ledger: Ledger | None = None) -> None:
+    """Fence deliveries of ``app``'s tasks in every worker started in this process.
+
+    Idempotent. ``ledger`` is for tests (the fence reads job rows through
+    :meth:`~celery_sched.interfaces.Ledger.check_delivery`).
+    """
+    with _lock:
+        if ledger is not None:
+            _injected[app] = ledger
+            _fences.pop(app, None)
+        if app in _installed:
+            return
+        _installed.add(app)
+
+    def on_worker_init(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            apply(app)
+
+    # Before the worker builds its task strategies, which read Task.Request.
+    signals.worker_init.connect(on_worker_init, weak=False)
