@@ -44,6 +44,7 @@ from celery.worker.state import task_ready
 
 from celery_sched.dispatch import HEADER_ATTEMPT, HEADER_KEY
 from celery_sched.errors import CelerySchedError
+from celery_sched.models import DeliveryCheck
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import Ledger
@@ -100,10 +101,11 @@ class DeliveryFence:
         self.reopen_after = reopen_after
         self._open_until = 0.0
 
-    def check(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
-        """Why the delivery must not run, or ``None`` to run it."""
+    def check(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
+        """Whether the delivery runs, and as which attempt (see
+        :meth:`~celery_sched.interfaces.Ledger.check_delivery`)."""
         if time.monotonic() < self._open_until:
-            return None
+            return DeliveryCheck()
         try:
             return self.ledger.check_delivery(job_id, attempt)
         except CelerySchedError as exc:
@@ -115,7 +117,7 @@ class DeliveryFence:
                 exc,
                 self.reopen_after,
             )
-            return None
+            return DeliveryCheck()
 
 
 _lock = threading.Lock()
@@ -155,7 +157,22 @@ class FencedRequest:
         if job_id is None:
             return False
         attempt = request_attempt(request)
-        reason = fence_for(request.task.app).check(job_id, attempt)
+        check = fence_for(request.task.app).check(job_id, attempt)
+        if check.adopted is not None:
+            # This copy runs as the job's new attempt: the pool child reads
+            # its headers from the request dict, so its status reports and
+            # retries carry that attempt, and the later copies are fenced.
+            logger.info(
+                "task %s[%s]: delivery of attempt %s took over the job, nobody had started "
+                "it since its requeue; running it as attempt %d",
+                request.name,
+                request.id,
+                attempt,
+                check.adopted,
+            )
+            request._request_dict[HEADER_ATTEMPT] = check.adopted
+            return False
+        reason = check.reason
         if reason is None:
             return False
         logger.warning(

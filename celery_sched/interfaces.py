@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from celery_sched.models import (
+    DeliveryCheck,
     Job,
     JobStatus,
     LedgerClaim,
@@ -205,8 +206,12 @@ class JobStore(abc.ABC):
     ) -> ReconcileResult:
         """Requeue jobs dispatched longer ago than their visibility timeout.
 
-        pending again with ``attempt + 1``; past ``max_attempts`` they become
-        dead with the reason. Fenced like a claim (raises ``StaleEpoch``).
+        Also ``retrying`` jobs whose retry was due (their ``dispatched_at``,
+        see :meth:`mark_retrying`) longer ago than their visibility timeout:
+        the retry message was lost. Either goes pending again with
+        ``attempt + 1``; past ``max_attempts`` dead, with the reason. At most
+        ``limit`` rows, dispatched jobs first, then retrying, then running
+        past ``max_runtime``. Fenced like a claim (raises ``StaleEpoch``).
         """
 
     @abc.abstractmethod
@@ -251,15 +256,21 @@ class JobStore(abc.ABC):
         """Any unfinished status -> ``status`` (a finished one), finished_at set."""
 
     @abc.abstractmethod
-    def mark_retrying(self, job_id: uuid.UUID, *, error: str | None = None) -> bool:
-        """running -> retrying (a Celery retry is on its way)."""
+    def mark_retrying(
+        self, job_id: uuid.UUID, *, error: str | None = None, retry_in: float | None = None
+    ) -> bool:
+        """running -> retrying (a Celery retry is on its way), ``dispatched_at``
+        set to when the retry is due: the store's now plus ``retry_in``
+        seconds (now if ``None``). ``ValueError`` for a ``retry_in`` that
+        :func:`~celery_sched.models.check_retry_in` refuses."""
 
     @abc.abstractmethod
     def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
         """Apply workers' status reports in one transaction; return rows changed.
 
         Equivalent to applying each update in order with :meth:`mark_running`
-        (``running``), :meth:`mark_retrying` (``retrying``) or
+        (``running``), :meth:`mark_retrying` (``retrying``, with its
+        ``retry_in``) or
         :meth:`mark_finished` (``succeeded`` / ``failed``): finished jobs are
         never changed, and timestamps come from the store's clock. A
         ``pending`` report (its worker process was lost) requeues a
@@ -602,7 +613,11 @@ class Ledger(abc.ABC):
         (the job is cancelled, dead, expired or succeeded, or its attempt is
         newer than ``attempt``), nothing is taken and the answer is
         ``FENCED`` with the reason; the row is read in the same statement.
-        A missing job row does not fence (the delivery runs).
+        A missing job row does not fence (the delivery runs). A delivery of
+        an older attempt while the row is pending or dispatched (nobody has
+        started the job since it was requeued) is not refused but adopted,
+        as :meth:`check_delivery` does, in the same statement:
+        ``ACQUIRED`` with ``adopted`` set.
 
         ``take_completed``: a completed key whose recorded job id is set and
         differs from ``job_id`` belongs to an earlier job that used the same
@@ -612,11 +627,22 @@ class Ledger(abc.ABC):
         """
 
     @abc.abstractmethod
-    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
-        """The reason :meth:`acquire`'s fence would refuse a delivery of
-        ``job_id`` at ``attempt``, or ``None`` (also when the job row is
-        missing). A read of one job row by primary key, tried once: an
-        unreachable backend raises
+    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
+        """Whether a delivery of ``job_id`` at ``attempt`` may run (the fence
+        of :meth:`acquire`, for deliveries that take no ledger key).
+
+        Refused (``reason`` set) when :func:`~celery_sched.models.delivery_fence`
+        says so; allowed when the job row is missing. One exception, the
+        adoption: a delivery of an older attempt while the row is
+        ``pending`` or ``dispatched`` (it was requeued because the queue was
+        slower than its visibility timeout, and no copy has started since)
+        takes the job over: atomically, only if the row still has the
+        attempt read, the row becomes ``running`` at ``attempt + 1`` with
+        no worker (the start report of the process that runs it names it)
+        and the answer's ``adopted`` is that attempt, which the delivery
+        runs as. Of racing older copies exactly one adopts; the others, and
+        every later copy, are refused. One statement on one
+        job row by primary key, tried once: an unreachable backend raises
         :class:`~celery_sched.errors.StoreUnavailable` at once (the caller
         decides to run the delivery)."""
 

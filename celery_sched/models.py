@@ -290,6 +290,8 @@ class Job:
     visibility_timeout: float | None = None
     max_runtime: float | None = None
     created_at: dt.datetime | None = None
+    #: When the job was last claimed; for a ``retrying`` job, when its
+    #: Celery retry is due (possibly in the future).
     dispatched_at: dt.datetime | None = None
     started_at: dt.datetime | None = None
     finished_at: dt.datetime | None = None
@@ -496,6 +498,10 @@ WORKER_STATUSES = frozenset(
 REPORT_ERROR_LIMIT = 2000
 #: Longest worker host name a worker report keeps, in characters.
 REPORT_WORKER_LIMIT = 255
+#: Longest delay a ``retrying`` report may announce, in seconds (ten years):
+#: far enough for any real ETA, near enough that the store's clock plus it
+#: stays a valid timestamp.
+REPORT_RETRY_IN_LIMIT = 10 * 365 * 86400.0
 
 
 def clean_text(value: str | None, limit: int) -> str | None:
@@ -514,6 +520,23 @@ def clean_text(value: str | None, limit: int) -> str | None:
     return value[:limit]
 
 
+def check_retry_in(value: object) -> float | None:
+    """``value`` as the delay of a retrying report (see :class:`WorkerUpdate`);
+    ``ValueError`` unless ``None`` or seconds from 0 to ``REPORT_RETRY_IN_LIMIT``."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= REPORT_RETRY_IN_LIMIT
+    ):
+        raise ValueError(
+            f"retry_in must be a number of seconds from 0 to {REPORT_RETRY_IN_LIMIT:g}, "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerUpdate:
     """One status change reported by a worker, applied later in a batch.
@@ -524,6 +547,8 @@ class WorkerUpdate:
     matches it against that process's heartbeat). A ``pending`` report says
     the process running the job was lost: the job is requeued, only while
     its row is running or dispatched (at ``attempt``, when known).
+    ``retry_in`` (``retrying`` reports only) is how many seconds after the
+    report the retry message is due (its ETA); ``None`` if unknown (due now).
     """
 
     job_id: uuid.UUID
@@ -536,11 +561,20 @@ class WorkerUpdate:
     #: move a requeued job.
     attempt: int | None = None
     worker_pid: int | None = None
+    #: The store keeps a retrying job's ``dispatched_at`` at report time plus
+    #: this, so the reconciler requeues it once the retry is overdue by the
+    #: visibility timeout (its message was lost, say with the broker).
+    retry_in: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", JobStatus(self.status))
         if self.status not in WORKER_STATUSES:
             raise ValueError(f"a worker cannot report status {self.status.value!r}")
+        if self.retry_in is not None and self.status != JobStatus.RETRYING:
+            raise ValueError(
+                f"retry_in belongs to a retrying report, not a {self.status.value!r} one"
+            )
+        object.__setattr__(self, "retry_in", check_retry_in(self.retry_in))
         object.__setattr__(self, "worker", clean_text(self.worker, REPORT_WORKER_LIMIT))
         object.__setattr__(self, "error", clean_text(self.error, REPORT_ERROR_LIMIT))
 
@@ -995,6 +1029,12 @@ FENCED_STATUSES = frozenset(
 )
 
 
+#: Job statuses in which nobody has started the job's current attempt: a
+#: delivery of an older attempt may take the job over (see
+#: :class:`DeliveryCheck`) instead of being refused.
+ADOPTABLE_STATUSES = frozenset({JobStatus.PENDING, JobStatus.DISPATCHED})
+
+
 def delivery_fence(status: JobStatus | str, job_attempt: int, attempt: int | None) -> str | None:
     """Why a delivery of ``attempt`` must not run, given its job row's
     ``status`` and ``job_attempt``; ``None`` if it may run.
@@ -1009,6 +1049,24 @@ def delivery_fence(status: JobStatus | str, job_attempt: int, attempt: int | Non
     if attempt is not None and job_attempt > attempt:
         return f"attempt {attempt} is older than the job's attempt {job_attempt}"
     return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DeliveryCheck:
+    """The answer of :meth:`~celery_sched.interfaces.Ledger.check_delivery`.
+
+    ``reason``: why the delivery must not run (:func:`delivery_fence`), or
+    ``None`` to run it. ``adopted``: set when the delivery was of an older
+    attempt than its job row's while nobody had started the job since (the
+    row was pending or dispatched: the queue was slower than the visibility
+    timeout, not lost): the delivery then took the job over, the row moved
+    to ``running`` at this new attempt (with no worker until the process
+    that runs it reports its start), and the delivery runs as it: the later
+    copies of the job find it started, at a newer attempt, and are refused.
+    """
+
+    reason: str | None = None
+    adopted: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -1031,6 +1089,9 @@ class LedgerClaim:
     result_recorded: bool = False
     completed_at: dt.datetime | None = None
     reason: str | None = None
+    #: The attempt a delivery of an older attempt took its job over as (see
+    #: :class:`DeliveryCheck`; whatever the outcome for the key), else ``None``.
+    adopted: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

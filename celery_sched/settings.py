@@ -45,7 +45,9 @@ class Settings:
         0.5, "Seconds before the lease's expiry at which a leader stops trusting it."
     )
     visibility_timeout: float = _field(
-        300.0, "Seconds a dispatched job may go untaken before the reconciler requeues it."
+        300.0,
+        "Seconds a dispatched job (or a retry past its ETA) may go untaken before the "
+        "reconciler requeues it.",
     )
     batch_size: int = _field(1000, "Jobs claimed and published per batch.")
     max_attempts: int = _field(5, "Dispatch attempts before a job is marked dead.")

@@ -364,6 +364,15 @@ class Task(celery.Task[..., Any]):
                 delay,
             )
             self._retry_later(request, exc, delay)
+        if claim.adopted is not None:
+            # This older copy took the job over (nobody had started it since
+            # its requeue): it is the job's current attempt from now on, for
+            # its status reports, its retries and the fence of later copies.
+            setattr(request, HEADER_ATTEMPT, claim.adopted)
+            headers = getattr(request, "headers", None)
+            if isinstance(headers, dict):
+                headers[HEADER_ATTEMPT] = claim.adopted
+            tracking.report_running(self, request.id)
         if claim.outcome is ClaimOutcome.FENCED:
             # Acknowledged without a verdict: no status report moves the row
             # (the running report of prerun carries this delivery's attempt,

@@ -5,13 +5,17 @@ processes run it) connects handlers that move a job to ``running`` when a
 worker starts it and to ``succeeded`` / ``failed`` / ``retrying`` when it ends.
 They act only on messages that carry celery_sched's headers, so plain Celery
 tasks sent by other means are untouched. This is what keeps the reconciler
-from requeueing work that a worker has taken.
+from requeueing work that a worker has taken. A ``retrying`` report says
+when the retry's message is due (``WorkerUpdate.retry_in``): the reconciler
+requeues a retry that has not started a visibility timeout after that (its
+message was lost with the broker).
 
 Status writes must not throttle workers, so handlers only enqueue: one
 background thread per worker process applies the queued reports in a single
-transaction every ``FLUSH_INTERVAL`` seconds (or as soon as ``FLUSH_SIZE``
-are waiting). Reports are never raised into the task, and their text is
-cleaned when they are made (:func:`celery_sched.models.clean_text`). While
+transaction every ``FLUSH_INTERVAL`` seconds (at once after a ``retrying``
+report, or as soon as ``FLUSH_SIZE`` are waiting). Reports are never raised
+into the task, and their text is cleaned when they are made
+(:func:`celery_sched.models.clean_text`). While
 PostgreSQL is unreachable they are kept (up to ``MAX_HELD``) and written once
 it is back, so an outage shorter than the visibility timeout makes the
 reconciler requeue nothing. A batch the store refuses for another reason is
@@ -36,7 +40,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import datetime as dt
 import logging
+import math
+import numbers
 import os
 import threading
 import time
@@ -47,10 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
 from celery import signals
+from celery.utils.time import maybe_iso8601
 
 from celery_sched.dispatch import HEADER_ATTEMPT
 from celery_sched.errors import SchemaMissing, StoreUnavailable
-from celery_sched.models import JobStatus, WorkerUpdate
+from celery_sched.models import REPORT_RETRY_IN_LIMIT, JobStatus, WorkerUpdate
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import JobStore
@@ -138,6 +146,8 @@ class StatusWriter:
         self._cond = threading.Condition()
         self._closed = False
         self._failing = False
+        # A retrying report waits: write at once.
+        self._urgent = False
         self._thread = threading.Thread(target=self._run, name="celery_sched-status", daemon=True)
         self._thread.start()
 
@@ -170,6 +180,14 @@ class StatusWriter:
                 self._hostnames[update.worker] = False
                 self._next_beat = 0.0
                 self._cond.notify()
+            # A retry's message is already sent, and another process may
+            # start it within milliseconds: its start report is refused
+            # unless the job is retrying by then, and the row would say
+            # retrying while the retry runs (requeued a visibility timeout
+            # after its ETA). So a retrying report does not wait the interval.
+            elif update.status == JobStatus.RETRYING and not self._failing:
+                self._urgent = True
+                self._cond.notify()
             # While the store is unavailable the thread waits out its retry
             # interval; a full batch does not cut that short.
             elif len(self._pending) >= FLUSH_SIZE and not self._failing:
@@ -184,6 +202,7 @@ class StatusWriter:
         """
         with self._cond:
             batch, self._pending = self._pending, []
+            self._urgent = False
         if not batch:
             return True
         chunks = collections.deque([batch])
@@ -287,7 +306,7 @@ class StatusWriter:
                         wait = self._interval
                         if self._failing:
                             wait = self._retry_interval
-                        elif len(self._pending) >= FLUSH_SIZE:
+                        elif len(self._pending) >= FLUSH_SIZE or self._urgent:
                             wait = 0.0
                         if self._hostnames:
                             wait = min(wait, self._next_beat - time.monotonic())
@@ -384,6 +403,12 @@ def _attempt(task: Any) -> int | None:
 
 
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    report_running(task, task_id)
+
+
+def report_running(task: Any, task_id: str | None) -> None:
+    """Report that ``task`` (its current request) started the job ``task_id``
+    (also after a delivery took its job over as a new attempt)."""
     job_id = _job_id(task, task_id)
     if job_id is not None:
         worker = str(task.request.hostname or "")
@@ -443,7 +468,39 @@ def _on_postrun(
     if job_id is None or status is None:
         return
     error = None if status == JobStatus.SUCCEEDED else _describe(retval)
-    writer_for(task.app).report(WorkerUpdate(job_id=job_id, status=status, error=error))
+    # On RETRY, retval is the celery.exceptions.Retry the task raised: its
+    # message is already sent, due at retval.when.
+    retry_in = _retry_in(retval) if status == JobStatus.RETRYING else None
+    writer_for(task.app).report(
+        WorkerUpdate(job_id=job_id, status=status, error=error, retry_in=retry_in)
+    )
+
+
+def _retry_in(retry: Any) -> float | None:
+    """Seconds from now until a Celery retry's message is due, ``None`` if unknown.
+
+    ``Task.retry`` sets ``when`` to its ``eta`` (a datetime, or an ISO 8601
+    string, which Celery also sends) or else its ``countdown`` (seconds); a
+    naive ETA is UTC, as the worker reads it. An ETA is compared with this
+    host's clock, as the worker that holds the message will; a past ETA
+    means now.
+    """
+    when = getattr(retry, "when", None)
+    try:
+        if isinstance(when, str):
+            when = maybe_iso8601(when)
+        if isinstance(when, dt.datetime):
+            due = when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+            seconds = (due - dt.datetime.now(dt.UTC)).total_seconds()
+        elif isinstance(when, numbers.Real) and not isinstance(when, bool):
+            seconds = float(when)
+        else:
+            return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.0), REPORT_RETRY_IN_LIMIT)
 
 
 def _describe(value: Any) -> str | None:

@@ -24,11 +24,13 @@ from celery_sched.errors import LedgerConflict
 from celery_sched.interfaces import JobStore, Ledger
 from celery_sched.models import (
     ClaimOutcome,
+    DeliveryCheck,
     LedgerClaim,
     LedgerEntry,
     LedgerState,
     delivery_fence,
 )
+from celery_sched.store.memory import MemoryJobStore
 from celery_sched.timeutil import UTC
 
 
@@ -89,9 +91,23 @@ class MemoryLedger(Ledger):
         take_completed: bool = False,
     ) -> LedgerClaim:
         with self._lock:
-            reason = None if job_id is None else self.check_delivery(job_id, attempt)
-            if reason is not None:
-                return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=reason)
+            check = DeliveryCheck() if job_id is None else self.check_delivery(job_id, attempt)
+            if check.reason is not None:
+                return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=check.reason)
+            claim = self._take(key, owner, lease, job_id, take_completed)
+            if check.adopted is None:
+                return claim
+            return dataclasses.replace(claim, adopted=check.adopted)
+
+    def _take(
+        self,
+        key: str,
+        owner: str,
+        lease: float,
+        job_id: uuid.UUID | None,
+        take_completed: bool,
+    ) -> LedgerClaim:
+        with self._lock:
             now = self._now()
             until = now + dt.timedelta(seconds=lease)
             row = self._rows.get(key)
@@ -129,9 +145,16 @@ class MemoryLedger(Ledger):
                 retry_in=max(0.0, (row.lease_expires_at - now).total_seconds()),
             )
 
-    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
-        job = None if self.jobs is None else self.jobs.get_by_id(job_id)
-        return None if job is None else delivery_fence(job.status, job.attempt, attempt)
+    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
+        if self.jobs is None:
+            return DeliveryCheck()
+        if isinstance(self.jobs, MemoryJobStore):
+            job, adopted = self.jobs.adopt_delivery(job_id, attempt)
+        else:
+            job, adopted = self.jobs.get_by_id(job_id), None
+        if job is None or adopted is not None:
+            return DeliveryCheck(adopted=adopted)
+        return DeliveryCheck(reason=delivery_fence(job.status, job.attempt, attempt))
 
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
         with self._lock:

@@ -25,10 +25,11 @@ each is atomic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -62,8 +63,11 @@ from sqlalchemy.sql.elements import ColumnElement
 from celery_sched.errors import CelerySchedError, LedgerConflict
 from celery_sched.interfaces import Ledger
 from celery_sched.models import (
+    ADOPTABLE_STATUSES,
     FENCED_STATUSES,
     ClaimOutcome,
+    DeliveryCheck,
+    JobStatus,
     LedgerClaim,
     LedgerEntry,
     LedgerState,
@@ -97,6 +101,11 @@ def _sql(text: str) -> ColumnElement[Any]:
     return literal_column(text)
 
 
+def _literals(statuses: Iterable[JobStatus]) -> list[ColumnElement[Any]]:
+    # Rendered into the SQL, so the planner sees the values.
+    return [literal_column(f"'{status.value}'") for status in sorted(statuses)]
+
+
 def _seconds(name: str) -> ColumnElement[Any]:
     return bindparam(name, type_=_DOUBLE) * _ONE_SECOND
 
@@ -125,17 +134,37 @@ class _LedgerQueries:
         # The delivery fence (models.delivery_fence, in SQL): the job row by
         # primary key, read in the same statement as the take. No job row
         # (pruned, or not a celery_sched message) fences nothing.
-        job = (
-            select(jobs.c.status, jobs.c.attempt)
-            .where(jobs.c.id == bindparam("p_job_id", type_=jobs.c.id.type))
-            .cte("job")
+        job_id = bindparam("p_job_id", type_=jobs.c.id.type)
+        delivered = bindparam("p_attempt", type_=Integer)
+        job = select(jobs.c.status, jobs.c.attempt).where(jobs.c.id == job_id).cte("job")
+        # The adoption (see Ledger.check_delivery): a copy of an older attempt
+        # takes over a job nobody has started since its requeue. Only while
+        # the row still has the attempt this statement read: a racing older
+        # copy re-checks the updated row (EvalPlanQual) and adopts nothing.
+        adopted = (
+            update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.status.in_(_literals(ADOPTABLE_STATUSES)),
+                jobs.c.attempt > delivered,
+                jobs.c.attempt == select(job.c.attempt).scalar_subquery(),
+            )
+            # Running from now, without a worker until this copy's process
+            # reports its start: later copies find it started and are fenced.
+            .values(
+                status=_sql("'running'"),
+                attempt=jobs.c.attempt + 1,
+                started_at=now,
+                worker=null(),
+                worker_pid=null(),
+            )
+            .returning(jobs.c.attempt)
+            .cte("adopted")
         )
         fenced = exists().where(
             or_(
-                job.c.status.in_(
-                    [literal_column(f"'{status.value}'") for status in sorted(FENCED_STATUSES)]
-                ),
-                job.c.attempt > bindparam("p_attempt", type_=Integer),
+                job.c.status.in_(_literals(FENCED_STATUSES)),
+                and_(job.c.attempt > delivered, ~exists(select(adopted.c.attempt))),
             )
         )
         row = (
@@ -183,14 +212,14 @@ class _LedgerQueries:
         taken = take.cte("taken")
         # One row always: the attempts if taken, and the job row's status and
         # attempt, from which a fenced delivery's reason is told.
-        self.acquire = select(
-            select(taken.c.attempts).scalar_subquery().label("taken"),
+        verdict = (
             select(job.c.status).scalar_subquery().label("job_status"),
             select(job.c.attempt).scalar_subquery().label("job_attempt"),
+            select(adopted.c.attempt).scalar_subquery().label("adopted"),
         )
-        self.job_state = select(jobs.c.status, jobs.c.attempt).where(
-            jobs.c.id == bindparam("p_job_id", type_=jobs.c.id.type)
-        )
+        self.acquire = select(select(taken.c.attempts).scalar_subquery().label("taken"), *verdict)
+        # The same fence and adoption for a delivery that takes no key.
+        self.check_delivery = select(*verdict)
         self.inspect = select(
             c.state,
             c.owner,
@@ -274,7 +303,7 @@ class PostgresLedger(Ledger):
         self._settings = store._settings
         self._q = _LedgerQueries(store._settings.db_schema)
         self._acquire = _RawStatement(self._q.acquire)
-        self._job_state = _RawStatement(self._q.job_state)
+        self._check_delivery = _RawStatement(self._q.check_delivery)
         self._inspect = _RawStatement(self._q.inspect)
         self._complete = _RawStatement(self._q.complete)
         self._complete_keep = _RawStatement(self._q.complete_keep_result)
@@ -324,14 +353,25 @@ class PostgresLedger(Ledger):
         )
         inspect = self._inspect.params(p_key=key)
 
+        # Kept across the rounds (and run_raw's retries): an adoption that
+        # committed stays this delivery's.
+        adopted: int | None = None
+
         def once(cur: psycopg.Cursor[Any]) -> LedgerClaim:
+            claim = take(cur)
+            return claim if adopted is None else dataclasses.replace(claim, adopted=adopted)
+
+        def take(cur: psycopg.Cursor[Any]) -> LedgerClaim:
+            nonlocal adopted
             for _ in range(ACQUIRE_ROUNDS):
                 # Scalar subqueries only: always exactly one row.
                 answer: tuple[Any, ...] = cur.execute(self._acquire.sql, params).fetchone() or ()
-                taken, job_status, job_attempt = answer
+                taken, job_status, job_attempt, adopted_now = answer
+                if adopted_now is not None:
+                    adopted = adopted_now
                 if taken is not None:
                     return LedgerClaim(outcome=ClaimOutcome.ACQUIRED, attempts=taken)
-                if job_status is not None:
+                if job_status is not None and adopted is None:
                     reason = delivery_fence(job_status, int(job_attempt), attempt)
                     if reason is not None:
                         return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=reason)
@@ -363,16 +403,16 @@ class PostgresLedger(Ledger):
 
         return self.store.run_raw("ledger acquire", once)
 
-    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> str | None:
+    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
         store = self.store
-        params = self._job_state.params(p_job_id=job_id)
+        params = self._check_delivery.params(p_job_id=job_id, p_attempt=attempt)
 
         def read() -> Any:
             # One try, no retry loop: the caller (a worker's consumer) must
             # not stall while the database is away; it runs the delivery.
             conn = store._raw_connection()
             try:
-                return conn.execute(self._job_state.sql, params).fetchone()
+                return conn.execute(self._check_delivery.sql, params).fetchone()
             except psycopg.Error:
                 if conn.closed or conn.broken:
                     store._local.conn = None
@@ -384,7 +424,10 @@ class PostgresLedger(Ledger):
             row = store._guard(read, "delivery fence")
         except TransientDatabaseError as exc:
             raise store._unavailable(exc) from exc
-        return None if row is None else delivery_fence(row[0], row[1], attempt)
+        status, job_attempt, adopted = row
+        if status is None or adopted is not None:
+            return DeliveryCheck(adopted=adopted)
+        return DeliveryCheck(reason=delivery_fence(status, int(job_attempt), attempt))
 
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
         if not held:

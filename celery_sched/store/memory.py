@@ -25,6 +25,7 @@ from celery_sched.errors import (
 )
 from celery_sched.interfaces import JobStore, Ledger
 from celery_sched.models import (
+    ADOPTABLE_STATUSES,
     FINISHED_STATUSES,
     UNFINISHED_STATUSES,
     Job,
@@ -39,6 +40,7 @@ from celery_sched.models import (
     StoredSchedule,
     SyncResult,
     WorkerUpdate,
+    check_retry_in,
 )
 from celery_sched.timeutil import UTC, ensure_utc, to_bucket
 
@@ -141,6 +143,32 @@ class MemoryJobStore(JobStore):
     def get_by_id(self, job_id: uuid.UUID) -> Job | None:
         with self._lock:
             return self._jobs.get(job_id)
+
+    def adopt_delivery(
+        self, job_id: uuid.UUID, attempt: int | None
+    ) -> tuple[Job | None, int | None]:
+        """The memory twin of the PostgreSQL ledger's adoption step (see
+        :meth:`~celery_sched.interfaces.Ledger.check_delivery`): the job as
+        it was, and the attempt a delivery of ``attempt`` took it over as
+        (``None`` when it did not)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if (
+                job is None
+                or attempt is None
+                or job.status not in ADOPTABLE_STATUSES
+                or job.attempt <= attempt
+            ):
+                return job, None
+            adopted = self._update(
+                job,
+                status=JobStatus.RUNNING,
+                attempt=job.attempt + 1,
+                started_at=self.now(),
+                worker=None,
+                worker_pid=None,
+            )
+            return job, adopted.attempt
 
     def counts_by_status(self) -> dict[JobStatus, int]:
         with self._lock:
@@ -317,26 +345,32 @@ class MemoryJobStore(JobStore):
     def reconcile(
         self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
     ) -> ReconcileResult:
-        """Stale dispatched jobs first (oldest dispatch first), then running
-        jobs past their max_runtime, ``limit`` rows in all. ``timed_out``
-        counts the latter; ``requeued`` and ``dead`` count every job moved."""
+        """Stale dispatched jobs first (oldest dispatch first), then retrying
+        jobs whose retry is overdue (oldest due first), then running jobs past
+        their max_runtime, ``limit`` rows in all. ``timed_out`` counts the
+        latter; ``requeued`` and ``dead`` count every job moved."""
         with self._lock:
             self._check_epoch(shard, epoch)
             now = self.now()
             limit = max(limit, 0)
             stale: list[Job] = []
+            retries: list[Job] = []
             overran: list[Job] = []
             for job in self._jobs.values():
                 if job.shard != shard:
                     continue
-                if job.status == JobStatus.DISPATCHED and job.dispatched_at is not None:
+                if (
+                    job.status in (JobStatus.DISPATCHED, JobStatus.RETRYING)
+                    and job.dispatched_at is not None
+                ):
                     timeout = (
                         job.visibility_timeout
                         if job.visibility_timeout is not None
                         else default_visibility_timeout
                     )
                     if job.dispatched_at < now - dt.timedelta(seconds=timeout):
-                        stale.append(job)
+                        # A retrying job's dispatched_at is when its retry is due.
+                        (stale if job.status == JobStatus.DISPATCHED else retries).append(job)
                 elif (
                     job.status == JobStatus.RUNNING
                     and job.max_runtime is not None
@@ -345,19 +379,25 @@ class MemoryJobStore(JobStore):
                 ):
                     overran.append(job)
             stale.sort(key=lambda job: (job.dispatched_at, str(job.id)))
+            retries.sort(key=lambda job: (job.dispatched_at, str(job.id)))
             overran.sort(key=lambda job: (job.started_at, str(job.id)))
             stale = stale[:limit]
-            overran = overran[: limit - len(stale)]
+            retries = retries[: limit - len(stale)]
+            overran = overran[: limit - len(stale) - len(retries)]
             dead = 0
-            for job in stale:
+            for job in (*stale, *retries):
                 timeout = (
                     job.visibility_timeout
                     if job.visibility_timeout is not None
                     else default_visibility_timeout
                 )
-                dead += self._requeue(
-                    job, now, f"not started within {timeout:g}s of dispatch", started_at=None
+                reason = (
+                    f"not started within {timeout:g}s of dispatch"
+                    if job.status == JobStatus.DISPATCHED
+                    else f"its retry did not start within {timeout:g}s of its ETA "
+                    f"{job.dispatched_at}"
                 )
+                dead += self._requeue(job, now, reason, started_at=None)
             for job in overran:
                 dead += self._requeue(
                     job,
@@ -366,7 +406,7 @@ class MemoryJobStore(JobStore):
                     f"{job.worker or 'an unknown worker'}",
                     started_at=None,
                 )
-            moved = len(stale) + len(overran)
+            moved = len(stale) + len(retries) + len(overran)
             return ReconcileResult(requeued=moved - dead, dead=dead, timed_out=len(overran))
 
     def _requeue(self, job: Job, now: dt.datetime, reason: str, **changes: Any) -> int:
@@ -411,7 +451,10 @@ class MemoryJobStore(JobStore):
                 alive = any(
                     seen >= silent_since and started <= job.started_at for started, seen in beats
                 )
-                if beats and not alive:
+                if job.worker is None:
+                    # Taken over by an older copy whose process never reported.
+                    orphaned.append((job, job.started_at))
+                elif beats and not alive:
                     orphaned.append((job, max(seen for _, seen in beats)))
             orphaned.sort(key=lambda pair: (pair[0].started_at, str(pair[0].id)))
             dead = succeeded = 0
@@ -468,12 +511,16 @@ class MemoryJobStore(JobStore):
     ) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or job.status not in _CLAIMABLE_BY_WORKER:
+            if job is None:
+                return False
+            # Taken over by an older copy (see adopt_delivery): named now.
+            adopted = job.status == JobStatus.RUNNING and job.worker is None
+            if job.status not in _CLAIMABLE_BY_WORKER and not adopted:
                 return False
             self._update(
                 job,
                 status=JobStatus.RUNNING,
-                started_at=self.now(),
+                started_at=job.started_at if adopted else self.now(),
                 worker=worker,
                 worker_pid=worker_pid,
             )
@@ -504,12 +551,20 @@ class MemoryJobStore(JobStore):
             self._update(job, status=status, finished_at=self.now(), last_error=error)
             return True
 
-    def mark_retrying(self, job_id: uuid.UUID, *, error: str | None = None) -> bool:
+    def mark_retrying(
+        self, job_id: uuid.UUID, *, error: str | None = None, retry_in: float | None = None
+    ) -> bool:
+        delay = dt.timedelta(seconds=check_retry_in(retry_in) or 0.0)
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.status != JobStatus.RUNNING:
                 return False
-            self._update(job, status=JobStatus.RETRYING, last_error=error)
+            self._update(
+                job,
+                status=JobStatus.RETRYING,
+                dispatched_at=self.now() + delay,
+                last_error=error,
+            )
             return True
 
     def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
@@ -530,7 +585,9 @@ class MemoryJobStore(JobStore):
                 elif update.status == JobStatus.PENDING:
                     done = self._lost(update)
                 elif update.status == JobStatus.RETRYING:
-                    done = self.mark_retrying(update.job_id, error=update.error)
+                    done = self.mark_retrying(
+                        update.job_id, error=update.error, retry_in=update.retry_in
+                    )
                 else:
                     done = self.mark_finished(update.job_id, update.status, error=update.error)
                 changed += done

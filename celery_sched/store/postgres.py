@@ -104,6 +104,7 @@ from celery_sched.models import (
     StoredSchedule,
     SyncResult,
     WorkerUpdate,
+    check_retry_in,
     id_of_key,
     jobs_from_rows,
 )
@@ -163,6 +164,7 @@ COPY_COLUMNS: tuple[tuple[str, str], ...] = (
 _PENDING: ColumnElement[str] = literal_column("'pending'")
 _DISPATCHED: ColumnElement[str] = literal_column("'dispatched'")
 _RUNNING: ColumnElement[str] = literal_column("'running'")
+_RETRYING: ColumnElement[str] = literal_column("'retrying'")
 _ONE_SECOND = literal_column("interval '1 second'", type_=Interval)
 #: The physical address of a row version (claims lock and update by it).
 _CTID: ColumnElement[Any] = literal_column("ctid")
@@ -438,6 +440,46 @@ class _Queries:
             )
             .returning(c.status)
         )
+        # A retrying job's dispatched_at is when its retry message is due
+        # (set by the retrying report): one that has not started a
+        # visibility timeout later was lost with the broker, and nothing
+        # else would ever send it again. A late retry message carries the
+        # older attempt and is fenced on the worker.
+        stale_retrying = (
+            select(c.id)
+            .where(
+                c.status == _RETRYING,
+                c.shard == bindparam("p_shard"),
+                # Implied by the next test (timeouts are positive); bounds
+                # the scan of jobs_retrying_idx to retries already due.
+                c.dispatched_at < now,
+                c.dispatched_at < now - _seconds(timeout),
+            )
+            .order_by(c.dispatched_at)
+            .limit(bindparam("p_limit"))
+            .with_for_update(skip_locked=True)
+            .subquery("stale_retry")
+        )
+        self.requeue_retrying = (
+            update(jobs)
+            .where(c.id == stale_retrying.c.id)
+            .values(
+                status=case((gives_up, "dead"), else_="pending"),
+                attempt=c.attempt + 1,
+                dispatched_at=None,
+                started_at=None,
+                finished_at=case((gives_up, now), else_=None),
+                last_error=func.format(
+                    "its retry did not start within %ss of its ETA %s (attempt %s of %s)%s",
+                    timeout,
+                    c.dispatched_at,
+                    c.attempt + 1,
+                    c.max_attempts,
+                    case((gives_up, "; giving up"), else_=""),
+                ),
+            )
+            .returning(c.status)
+        )
         overrunning = (
             select(c.id)
             .where(
@@ -503,13 +545,20 @@ class _Queries:
                 c.shard == bindparam("p_shard"),
                 # A job just started: its process may not have beaten yet.
                 c.started_at < silent_since,
-                # No heartbeat row at all: a worker that does not beat
-                # (an older version); only max_runtime applies to it.
-                exists().where(its_process),
-                # A process that started after the job did is another one
-                # that reuses the pid (a restarted container): not alive.
-                ~exists().where(
-                    its_process, w.seen_at >= silent_since, w.started_at <= c.started_at
+                or_(
+                    # Taken over by an older copy (the delivery fence's
+                    # adoption) whose process never reported its start.
+                    c.worker.is_(None),
+                    and_(
+                        # No heartbeat row at all: a worker that does not
+                        # beat (an older version); only max_runtime applies.
+                        exists().where(its_process),
+                        # A process that started after the job did is another
+                        # one that reuses the pid (a restarted container).
+                        ~exists().where(
+                            its_process, w.seen_at >= silent_since, w.started_at <= c.started_at
+                        ),
+                    ),
                 ),
             )
             .order_by(c.started_at)
@@ -568,12 +617,16 @@ class _Queries:
 
         # -- worker and user transitions --
         by_id = c.id == bindparam("p_id")
+        # A running row without a worker was taken over by an older copy of
+        # its message (the delivery fence's adoption, which runs before the
+        # pool picks a process): its first start report names the process.
+        adopted = and_(c.status == "running", c.worker.is_(None))
         self.mark_running = (
             update(jobs)
-            .where(by_id, c.status.in_(["dispatched", "retrying", "pending"]))
+            .where(by_id, or_(c.status.in_(["dispatched", "retrying", "pending"]), adopted))
             .values(
                 status="running",
-                started_at=now,
+                started_at=case((adopted, c.started_at), else_=now),
                 worker=bindparam("p_worker"),
                 worker_pid=bindparam("p_worker_pid", type_=Integer),
             )
@@ -587,11 +640,17 @@ class _Queries:
                 last_error=bindparam("error", type_=c.last_error.type),
             )
         )
+        # A retrying job's dispatched_at is when its retry is due (the
+        # reconciler requeues it once that is a visibility timeout past).
         self.mark_retrying = (
             update(jobs)
             .where(by_id, c.status == "running")
             .values(
                 status="retrying",
+                dispatched_at=now
+                + _seconds(
+                    func.coalesce(bindparam("p_retry_in", type_=postgresql.DOUBLE_PRECISION), 0.0)
+                ),
                 last_error=bindparam("error", type_=c.last_error.type),
             )
         )
@@ -616,23 +675,28 @@ class _Queries:
             update(jobs)
             .where(
                 c.id == running.c.id,
-                c.status == any_(_text_array("dispatched", "retrying", "pending")),
+                or_(c.status == any_(_text_array("dispatched", "retrying", "pending")), adopted),
                 # A delivery of an older attempt (the job was requeued since)
                 # must not move the row: the new attempt could not be claimed.
                 or_(running.c.attempt.is_(None), c.attempt <= cast(running.c.attempt, Integer)),
             )
             .values(
                 status="running",
-                started_at=now,
+                started_at=case((adopted, c.started_at), else_=now),
                 worker=running.c.worker,
                 worker_pid=cast(running.c.worker_pid, Integer),
             )
         )
-        retrying = reported(error="p_errors")
+        retrying = reported(error="p_errors", retry_in="p_retry_ins")
+        retry_in = cast(retrying.c.retry_in, postgresql.DOUBLE_PRECISION)
         self.batch_retrying = _RawStatement(
             update(jobs)
             .where(c.id == retrying.c.id, c.status == "running")
-            .values(status="retrying", last_error=retrying.c.error)
+            .values(
+                status="retrying",
+                dispatched_at=now + _seconds(func.coalesce(retry_in, 0.0)),
+                last_error=retrying.c.error,
+            )
         )
         ended = reported(status="p_statuses", error="p_errors")
         self.batch_finished = _RawStatement(
@@ -653,8 +717,11 @@ class _Queries:
             .values(
                 status=ran.c.status,
                 started_at=case((was_running, c.started_at), else_=now),
-                worker=case((was_running, c.worker), else_=ran.c.worker),
-                worker_pid=case((was_running, c.worker_pid), else_=cast(ran.c.worker_pid, Integer)),
+                worker=case((was_running & ~adopted, c.worker), else_=ran.c.worker),
+                worker_pid=case(
+                    (was_running & ~adopted, c.worker_pid),
+                    else_=cast(ran.c.worker_pid, Integer),
+                ),
                 finished_at=now,
                 last_error=ran.c.error,
             )
@@ -1287,12 +1354,13 @@ class PostgresJobStore(JobStore):
     def reconcile(
         self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
     ) -> ReconcileResult:
-        """Requeue stale dispatched jobs and running jobs past their max_runtime.
+        """Requeue stale dispatched jobs, retrying jobs whose retry is
+        overdue, and running jobs past their max_runtime.
 
         ``requeued`` and ``dead`` count every job moved; ``timed_out`` counts
         those of them that were running past their ``max_runtime`` (the rest
-        were dispatched and never started). At most ``limit`` rows in all,
-        stale dispatched jobs first.
+        never started). At most ``limit`` rows in all, stale dispatched jobs
+        first, then overdue retries.
         """
         timeout = default_visibility_timeout
 
@@ -1300,6 +1368,9 @@ class PostgresJobStore(JobStore):
             self._fence(conn, shard, epoch)
             params = {"p_shard": shard, "p_limit": limit, "default_timeout": timeout}
             moved = list(conn.execute(self._q.requeue_dispatched, params).scalars())
+            if len(moved) < limit:
+                params["p_limit"] = limit - len(moved)
+                moved += conn.execute(self._q.requeue_retrying, params).scalars()
             overran: list[str] = []
             if len(moved) < limit:
                 params["p_limit"] = limit - len(moved)
@@ -1383,29 +1454,44 @@ class PostgresJobStore(JobStore):
         params = {"p_id": job_id, "p_status": status.value, "error": error}
         return self._rowcount("mark_finished", self._q.mark_finished, params) > 0
 
-    def mark_retrying(self, job_id: uuid.UUID, *, error: str | None = None) -> bool:
-        params = {"p_id": job_id, "error": error}
+    def mark_retrying(
+        self, job_id: uuid.UUID, *, error: str | None = None, retry_in: float | None = None
+    ) -> bool:
+        params = {"p_id": job_id, "error": error, "p_retry_in": check_retry_in(retry_in)}
         return self._rowcount("mark_retrying", self._q.mark_retrying, params) > 0
 
     def apply_worker_updates(self, updates: Sequence[WorkerUpdate]) -> int:
         # One transaction, one statement per kind of transition, applied in
-        # the order a job moves: running, retrying, finished, lost. Per job
-        # that is the order the worker reported them in, except a retry re-run
-        # inside one batch, which ends as "retrying" until its own finish
-        # arrives. Of two reports of one kind for a job only the first could
-        # apply (the transition's own status test refuses the second), so only
-        # the first is sent.
+        # the order a job moves: running, retrying, running again (a retry
+        # that started within the same batch), finished, lost. Per job that
+        # is the order the worker reported them in. Of two reports of one
+        # kind for a job only one could apply (the transition's own status
+        # test refuses the other), so only the first is sent (of two starts,
+        # the one of the later attempt).
         running: dict[uuid.UUID, tuple[str, str | None, str | None]] = {}
-        retrying: dict[uuid.UUID, str | None] = {}
+        retrying: dict[uuid.UUID, tuple[str | None, str | None]] = {}
         finished: dict[uuid.UUID, tuple[str, str | None]] = {}
         lost: dict[uuid.UUID, tuple[str | None, str | None]] = {}
+        resumed: dict[uuid.UUID, tuple[str, str | None, str | None]] = {}
         for u in updates:
             if u.status == JobStatus.RUNNING:
                 pid = None if u.worker_pid is None else str(u.worker_pid)
                 attempt = None if u.attempt is None else str(u.attempt)
-                running.setdefault(u.job_id, (u.worker or "", pid, attempt))
+                if u.job_id in retrying:
+                    # The retry started: it must not stay "retrying" (the
+                    # reconciler would requeue it while it runs).
+                    resumed.setdefault(u.job_id, (u.worker or "", pid, attempt))
+                    continue
+                earlier = running.get(u.job_id)
+                # A delivery that took its job over as a new attempt reports
+                # its start again: the later attempt is the one that applies.
+                if earlier is None or (
+                    u.attempt is not None and earlier[2] is not None and u.attempt > int(earlier[2])
+                ):
+                    running[u.job_id] = (u.worker or "", pid, attempt)
             elif u.status == JobStatus.RETRYING:
-                retrying.setdefault(u.job_id, u.error)
+                retry_in = None if u.retry_in is None else repr(u.retry_in)
+                retrying.setdefault(u.job_id, (u.error, retry_in))
             elif u.status.finished:
                 finished.setdefault(u.job_id, (u.status.value, u.error))
             elif u.status == JobStatus.PENDING:
@@ -1440,8 +1526,20 @@ class PostgresJobStore(JobStore):
             }
             batches.append((self._q.batch_running, params))
         if retrying:
-            params = {"p_ids": list(retrying), "p_errors": list(retrying.values())}
+            params = {
+                "p_ids": list(retrying),
+                "p_errors": [error for error, _ in retrying.values()],
+                "p_retry_ins": [retry_in for _, retry_in in retrying.values()],
+            }
             batches.append((self._q.batch_retrying, params))
+        if resumed:
+            params = {
+                "p_ids": list(resumed),
+                "p_workers": [worker for worker, _, _ in resumed.values()],
+                "p_pids": [pid for _, pid, _ in resumed.values()],
+                "p_attempts": [attempt for _, _, attempt in resumed.values()],
+            }
+            batches.append((self._q.batch_running, params))
         if finished:
             params = {
                 "p_ids": list(finished),

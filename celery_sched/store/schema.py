@@ -136,10 +136,12 @@ def build_metadata(schema: str) -> MetaData:
     )
     # Retrying jobs per shard, for the start-up check of a lowered shard
     # count (pending's index leads with shard; dispatched and running are
-    # small). (0004)
+    # small), and by when their retry is due (dispatched_at), for the
+    # reconciler's scan for retries that never started. (0004)
     Index(
         "jobs_retrying_idx",
         jobs.c.shard,
+        jobs.c.dispatched_at,
         postgresql_where=text("status = 'retrying'"),
     )
     Index(

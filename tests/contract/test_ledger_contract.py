@@ -18,7 +18,14 @@ from sqlalchemy import text
 
 from celery_sched.errors import LedgerConflict
 from celery_sched.interfaces import JobStore, Ledger
-from celery_sched.models import ClaimOutcome, Job, JobStatus, LedgerState
+from celery_sched.models import (
+    ClaimOutcome,
+    DeliveryCheck,
+    Job,
+    JobStatus,
+    LedgerState,
+    WorkerUpdate,
+)
 from celery_sched.settings import Settings
 from tests.contract.conftest import new_job
 
@@ -444,39 +451,108 @@ def test_a_delivery_of_a_finished_or_cancelled_job_is_fenced(
     assert claim.outcome == ClaimOutcome.FENCED
     assert claim.reason == f"the job is {status.value}"
     assert ledger.get("job") is None  # nothing taken
-    assert ledger.check_delivery(job.id, 0) == claim.reason
-    assert ledger.check_delivery(job.id, None) == claim.reason
+    assert ledger.check_delivery(job.id, 0).reason == claim.reason
+    assert ledger.check_delivery(job.id, None).reason == claim.reason
 
 
-def test_a_delivery_of_an_older_attempt_is_fenced_and_the_current_one_runs(
+def _requeued(store: JobStore, key: str) -> Job:
+    """A job claimed at attempt 0 and requeued by the reconciler (attempt 1)."""
+    store.insert(new_job(key, store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
+    epoch = store.acquire_epoch(0, "test")
+    assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 1
+    time.sleep(0.05)
+    store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=300)
+    requeued = store.get(key)
+    assert requeued is not None and requeued.attempt == 1
+    assert requeued.status == JobStatus.PENDING
+    return requeued
+
+
+def test_a_delivery_of_an_older_attempt_is_fenced_once_the_job_started(
     backend: tuple[Ledger, Effects, JobStore],
 ) -> None:
     ledger, _, store = backend
-    store.insert(new_job("job", store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
-    epoch = store.acquire_epoch(0, "test")
-    (claimed,) = store.claim_due(shard=0, epoch=epoch, limit=10)
-    time.sleep(0.05)
-    store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=300)
-    requeued = store.get("job")
-    assert requeued is not None and requeued.attempt == 1
-    stale = ledger.acquire("job", owner="old", lease=LONG, job_id=claimed.id, attempt=0)
+    job = _requeued(store, "job")
+    assert store.mark_running(job.id, worker="w1", worker_pid=7)
+    stale = ledger.acquire("job", owner="old", lease=LONG, job_id=job.id, attempt=0)
     assert stale.outcome == ClaimOutcome.FENCED
     assert stale.reason == "attempt 0 is older than the job's attempt 1"
-    assert ledger.check_delivery(claimed.id, 0) == stale.reason
+    assert stale.adopted is None
+    assert ledger.check_delivery(job.id, 0).reason == stale.reason
     assert ledger.get("job") is None
-    assert ledger.check_delivery(claimed.id, 1) is None
-    current = ledger.acquire("job", owner="new", lease=LONG, job_id=claimed.id, attempt=1)
+    assert ledger.check_delivery(job.id, 1) == DeliveryCheck()
+    current = ledger.acquire("job", owner="new", lease=LONG, job_id=job.id, attempt=1)
     assert current.outcome == ClaimOutcome.ACQUIRED
+    assert current.adopted is None
+
+
+@pytest.mark.parametrize("via", ["check_delivery", "acquire"])
+def test_an_older_copy_of_a_job_nobody_started_since_takes_it_over_once(
+    backend: tuple[Ledger, Effects, JobStore], via: str
+) -> None:
+    # The queue was slower than the visibility timeout: the requeued job's
+    # first copy arrives before anyone ran it. It runs, as the next attempt;
+    # every other copy (older or the requeue's own) is refused after it.
+    ledger, _, store = backend
+    job = _requeued(store, "job")
+
+    def deliver(owner: str, attempt: int) -> tuple[str | None, int | None]:
+        if via == "check_delivery":
+            check = ledger.check_delivery(job.id, attempt)
+            return check.reason, check.adopted
+        claim = ledger.acquire("job", owner=owner, lease=LONG, job_id=job.id, attempt=attempt)
+        assert (claim.outcome == ClaimOutcome.FENCED) == (claim.reason is not None)
+        return claim.reason, claim.adopted
+
+    assert deliver("first", 0) == (None, 2)
+    row = store.get("job")
+    assert row is not None
+    assert (row.status, row.attempt, row.worker) == (JobStatus.RUNNING, 2, None)
+    assert row.started_at is not None
+    # A second old copy, and the requeue's own copy, find it started.
+    assert deliver("second", 0) == ("attempt 0 is older than the job's attempt 2", None)
+    assert deliver("requeued", 1) == ("attempt 1 is older than the job's attempt 2", None)
+    # The adopting copy's process names itself when it reports its start.
+    assert store.apply_worker_updates(
+        [
+            WorkerUpdate(
+                job_id=job.id, status=JobStatus.RUNNING, worker="w9", worker_pid=9, attempt=2
+            )
+        ]
+    )
+    row = store.get("job")
+    assert row is not None
+    assert (row.status, row.attempt, row.worker, row.worker_pid) == (
+        JobStatus.RUNNING,
+        2,
+        "w9",
+        9,
+    )
+
+
+def test_an_adopted_job_whose_process_never_reported_is_rescued(
+    backend: tuple[Ledger, Effects, JobStore],
+) -> None:
+    ledger, _, store = backend
+    job = _requeued(store, "job")
+    assert ledger.check_delivery(job.id, 0).adopted == 2
+    time.sleep(0.05)
+    epoch = store.current_epoch(0)
+    result = store.rescue(shard=0, epoch=epoch, limit=10, worker_timeout=0.01)
+    assert result.rescued == 1
+    row = store.get("job")
+    assert row is not None
+    assert (row.status, row.attempt) == (JobStatus.PENDING, 3)
 
 
 def test_a_live_or_missing_job_does_not_fence(backend: tuple[Ledger, Effects, JobStore]) -> None:
     ledger, _, store = backend
     job = _job(store, "live")
-    assert ledger.check_delivery(job.id, 0) is None
+    assert ledger.check_delivery(job.id, 0) == DeliveryCheck()
     assert ledger.acquire("live", owner="a", lease=LONG, job_id=job.id, attempt=0).outcome == (
         ClaimOutcome.ACQUIRED
     )
     gone = uuid.uuid4()  # pruned, or never a job row: the delivery runs
-    assert ledger.check_delivery(gone, 3) is None
+    assert ledger.check_delivery(gone, 3) == DeliveryCheck()
     claim = ledger.acquire("gone", owner="a", lease=LONG, job_id=gone, attempt=3)
     assert claim.outcome == ClaimOutcome.ACQUIRED

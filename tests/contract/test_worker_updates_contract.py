@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,6 +48,24 @@ def test_failure_records_the_error_and_retry_keeps_the_job_visible(store: JobSto
     assert failed is not None and failed.status == JobStatus.FAILED
     assert failed.last_error == "ValueError: boom"
     assert status_of(store, "retries") == JobStatus.RETRYING
+
+
+def test_a_retry_that_starts_within_the_same_batch_leaves_the_job_running(
+    store: JobStore,
+) -> None:
+    # Ends "running", as the reports applied one by one would: left
+    # "retrying", the reconciler would requeue the job while its retry runs.
+    job, _ = claim_one(store, "quick-retry")
+    store.apply_worker_updates(
+        [
+            WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w1", attempt=0),
+            WorkerUpdate(job_id=job.id, status=JobStatus.RETRYING, error="retry", retry_in=0.0),
+            WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w2", attempt=0),
+        ]
+    )
+    stored = store.get("quick-retry")
+    assert stored is not None
+    assert (stored.status, stored.worker) == (JobStatus.RUNNING, "w2")
 
 
 def test_finished_jobs_are_never_changed_and_unknown_ids_are_ignored(store: JobStore) -> None:
@@ -377,3 +396,129 @@ def test_report_text_is_made_storable(store: JobStore) -> None:
     assert failed is not None and failed.last_error is not None
     assert failed.last_error.startswith("bad\ufffdbyte in /tmp/?x")
     assert len(failed.last_error) == 2000
+
+
+# -- issue 13 (12): a retry whose message was lost -----------------------------------
+
+
+def _retrying(store: JobStore, key: str, retry_in: float | None, **fields: Any) -> Job:
+    """Claim ``key``, start it (attempt 0) and report it retrying in ``retry_in``."""
+    job, _ = claim_one(store, key, **fields)
+    updates = [
+        WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w", attempt=0),
+        WorkerUpdate(
+            job_id=job.id, status=JobStatus.RETRYING, error="held; retry", retry_in=retry_in
+        ),
+    ]
+    assert store.apply_worker_updates(updates[:1]) == 1
+    assert store.apply_worker_updates(updates[1:]) == 1
+    stored = store.get(key)
+    assert stored is not None and stored.status == JobStatus.RETRYING
+    return stored
+
+
+def _reconcile(store: JobStore, timeout: float, limit: int = 10) -> ReconcileResult:
+    return store.reconcile(
+        shard=0, epoch=store.current_epoch(0), limit=limit, default_visibility_timeout=timeout
+    )
+
+
+def test_a_retry_that_never_starts_is_requeued_a_visibility_timeout_after_it_was_due(
+    store: JobStore,
+) -> None:
+    # Seen in the chaos soak: a retry's message (an ETA 10 s ahead) was lost
+    # with the broker; the row stayed retrying for ever.
+    before = store.now()
+    later = _retrying(store, "later", 3600)
+    soon = _retrying(store, "soon", 0.5)
+    after = store.now()
+    # dispatched_at is when the retry is due, by the store's clock.
+    for job, delay in ((later, 3600), (soon, 0.5)):
+        assert job.dispatched_at is not None
+        due = dt.timedelta(seconds=delay)
+        assert before + due <= job.dispatched_at <= after + due, (job.key, job.dispatched_at)
+    # Not yet due: left alone however short the visibility timeout.
+    assert _reconcile(store, 0.2) == ReconcileResult()
+    time.sleep(0.8)
+    # Due, but the visibility timeout has not passed since: left alone.
+    assert _reconcile(store, 300) == ReconcileResult()
+    assert status_of(store, "soon") == JobStatus.RETRYING
+
+    result = _reconcile(store, 0.2)
+    assert (result.requeued, result.dead, result.timed_out) == (1, 0, 0)
+    requeued = store.get("soon")
+    assert requeued is not None
+    assert (requeued.status, requeued.attempt) == (JobStatus.PENDING, 1)
+    assert requeued.dispatched_at is None and requeued.started_at is None
+    assert requeued.last_error is not None and "retry did not start" in requeued.last_error
+    assert status_of(store, "later") == JobStatus.RETRYING
+    # The lost retry's message, should it arrive after all, is of attempt 0:
+    # its start does not move the requeued job.
+    late = WorkerUpdate(job_id=soon.id, status=JobStatus.RUNNING, worker="late", attempt=0)
+    assert store.apply_worker_updates([late]) == 0
+    assert status_of(store, "soon") == JobStatus.PENDING
+
+
+def test_the_retry_delivery_starting_moves_a_retrying_job_to_running(store: JobStore) -> None:
+    job = _retrying(store, "retried", 0.0)
+    # The retried message carries the same attempt: its start applies.
+    start = WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w2", attempt=0)
+    assert store.apply_worker_updates([start]) == 1
+    running = store.get("retried")
+    assert running is not None
+    assert (running.status, running.worker, running.attempt) == (JobStatus.RUNNING, "w2", 0)
+    time.sleep(0.3)
+    # Running, so the reconciler leaves it to the rescuer and max_runtime.
+    assert _reconcile(store, 0.1) == ReconcileResult()
+    assert status_of(store, "retried") == JobStatus.RUNNING
+
+
+def test_a_retry_of_unknown_delay_is_due_at_once_and_dies_past_max_attempts(
+    store: JobStore,
+) -> None:
+    before = store.now()
+    unknown = _retrying(store, "unknown", None)
+    _retrying(store, "last", 0.0, max_attempts=1)
+    after = store.now()
+    assert unknown.dispatched_at is not None and before <= unknown.dispatched_at <= after
+    time.sleep(0.3)
+    result = _reconcile(store, 0.1)
+    assert (result.requeued, result.dead) == (1, 1)
+    assert status_of(store, "unknown") == JobStatus.PENDING
+    dead = store.get("last")
+    assert dead is not None
+    assert (dead.status, dead.attempt) == (JobStatus.DEAD, 1)
+    assert dead.finished_at is not None
+    assert dead.last_error is not None and dead.last_error.endswith("giving up")
+
+
+def test_stale_dispatched_jobs_go_before_overdue_retries(store: JobStore) -> None:
+    _retrying(store, "retry", 0.0)
+    claim_one(store, "dispatched")
+    time.sleep(0.3)
+    assert _reconcile(store, 0.1, limit=1).requeued == 1
+    assert status_of(store, "dispatched") == JobStatus.PENDING
+    assert status_of(store, "retry") == JobStatus.RETRYING
+    assert _reconcile(store, 0.1, limit=1).requeued == 1
+    assert status_of(store, "retry") == JobStatus.PENDING
+
+
+def test_mark_retrying_sets_when_the_retry_is_due_and_refuses_a_bad_delay(
+    store: JobStore,
+) -> None:
+    job, _ = claim_one(store, "single")
+    assert store.mark_running(job.id, worker="w") is True
+    for bad in (-1.0, float("nan"), float("inf"), 1e300):
+        with pytest.raises(ValueError, match="retry_in"):
+            store.mark_retrying(job.id, error="x", retry_in=bad)
+        with pytest.raises(ValueError, match="retry_in"):
+            WorkerUpdate(job_id=job.id, status=JobStatus.RETRYING, retry_in=bad)
+    with pytest.raises(ValueError, match="retry_in"):
+        WorkerUpdate(job_id=job.id, status=JobStatus.FAILED, retry_in=5)
+    assert status_of(store, "single") == JobStatus.RUNNING  # nothing written
+    before = store.now()
+    assert store.mark_retrying(job.id, error="later", retry_in=60) is True
+    stored = store.get("single")
+    assert stored is not None and stored.dispatched_at is not None
+    assert before + dt.timedelta(seconds=60) <= stored.dispatched_at
+    assert stored.dispatched_at <= store.now() + dt.timedelta(seconds=60)

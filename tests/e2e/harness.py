@@ -2,23 +2,29 @@
 
 A :class:`Cluster` owns one test's schema, Redis prefix and queue; every
 process it starts is a subprocess of the real ``celery`` command running
-``tests.e2e.app``, with its output in a log file that is printed when the
-test fails.
+``tests.e2e.app`` (or the project named by ``app``), with its output in a log
+file that is printed when the test fails. :class:`RedisServer` and
+:func:`private_database` give a run services of its own (the chaos soak
+restarts and terminates them), so faults touch nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import redis
 
 from celery_sched.settings import Settings
 
@@ -31,6 +37,9 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    #: The command line and the extra environment, to start it again.
+    args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -43,6 +52,16 @@ class Proc:
         if self.alive():
             os.kill(self.pid, sig)
 
+    def kill_group(self, sig: int | None = None) -> None:
+        """Signal (default SIGKILL) the process and everything it started (a
+        prefork pool's children too): each process runs in a session of its own."""
+        sig = signal.SIGKILL if sig is None else sig
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+            if sig == signal.SIGKILL:
+                self.popen.wait(10)
+
     def stop(self, timeout: float = 10.0) -> None:
         if not self.alive():
             return
@@ -50,11 +69,27 @@ class Proc:
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.popen.kill()
+            # The group, so that no pool child outlives its parent.
+            self.kill_group()
             self.popen.wait(5)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def spawn(name: str, args: list[str], *, log_dir: Path, env: dict[str, str]) -> Proc:
+    """Start ``args`` in a session of its own, output to ``log_dir/<name>.log``."""
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as handle:
+        popen = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Proc(name, popen, log, list(args))
 
 
 class Cluster:
@@ -68,8 +103,10 @@ class Cluster:
         broker_url: str,
         queue: str,
         extra_env: dict[str, str] | None = None,
+        app: str = "tests.e2e.app",
     ) -> None:
         self.tmp_path = tmp_path
+        self.app = app
         self.settings = settings
         self.broker_url = broker_url
         self.queue = queue
@@ -104,20 +141,15 @@ class Cluster:
     # -- processes ----------------------------------------------------------
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
-        log = self.tmp_path / f"{name}.log"
-        handle = log.open("wb")
-        popen = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env={**self.env, **(env or {})},
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        handle.close()
-        proc = Proc(name, popen, log)
+        proc = spawn(name, args, log_dir=self.tmp_path, env={**self.env, **(env or {})})
+        proc.env = dict(env or {})
         self.procs.append(proc)
         return proc
+
+    def respawn(self, proc: Proc, name: str) -> Proc:
+        """Start ``proc``'s command again as ``name`` (its own log), as a
+        supervisor would after it died."""
+        return self._spawn(name, proc.args, proc.env)
 
     def start_beat(self, name: str = "beat", **env: str) -> Proc:
         return self._spawn(
@@ -125,7 +157,7 @@ class Cluster:
             [
                 CELERY,
                 "-A",
-                "tests.e2e.app",
+                self.app,
                 "beat",
                 "-S",
                 "celery_sched",
@@ -137,7 +169,13 @@ class Cluster:
         )
 
     def start_worker(
-        self, name: str = "worker", concurrency: int = 8, *, embedded_beat: bool = False, **env: str
+        self,
+        name: str = "worker",
+        concurrency: int = 8,
+        *,
+        embedded_beat: bool = False,
+        pool: str = "threads",
+        **env: str,
     ) -> Proc:
         beat = ["-B", "--scheduler", "celery_sched", "-s", str(self.tmp_path / "embedded")]
         return self._spawn(
@@ -145,9 +183,9 @@ class Cluster:
             [
                 CELERY,
                 "-A",
-                "tests.e2e.app",
+                self.app,
                 "worker",
-                "--pool=threads",
+                f"--pool={pool}",
                 f"--concurrency={concurrency}",
                 "-Q",
                 self.queue,
@@ -168,7 +206,7 @@ class Cluster:
             [
                 CELERY,
                 "-A",
-                "tests.e2e.app",
+                self.app,
                 "flower",
                 f"--port={port}",
                 "--address=127.0.0.1",
@@ -243,3 +281,94 @@ def percentile(values: list[float], q: float) -> float:
 def iter_lags(runs: list[tuple[str, str, float, float]]) -> Iterator[float]:
     for _task_id, _key, due, ran in runs:
         yield ran - due
+
+
+# -- services of a run's own ------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A private ``redis-server`` on a loopback port of its own, without
+    persistence, so that :meth:`restart` brings it back empty."""
+
+    def __init__(self, name: str, log_dir: Path, port: int | None = None) -> None:
+        self.name = name
+        self.log_dir = log_dir
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: Proc | None = None
+        self.starts = 0
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.starts += 1
+        self.proc = spawn(
+            f"{self.name}-{self.starts}",
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.log_dir),
+            ],
+            log_dir=self.log_dir,
+            env=dict(os.environ),
+        )
+        wait_for(self.ping, timeout=timeout, interval=0.05, what=f"{self.name} to answer PING")
+
+    def ping(self) -> bool:
+        try:
+            with redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1) as r:
+                return bool(r.ping())
+        except redis.RedisError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill_group()
+
+    def restart(self, down_for: float = 0.0) -> None:
+        """kill -9, then start again on the same port: every key is gone."""
+        self.kill()
+        time.sleep(down_for)
+        self.start()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5, socket_connect_timeout=5)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(5)
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` (SQLAlchemy or libpq form) naming database ``name`` instead."""
+    base, _slash, query = url.partition("?")
+    return base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
+
+
+@contextlib.contextmanager
+def private_database(server_url: str, prefix: str = "soak") -> Iterator[str]:
+    """``CREATE DATABASE <prefix>_<random>`` on the server of ``server_url``
+    (a SQLAlchemy or libpq URL); yields its URL in the same form, and drops it
+    (with any connection still open) afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = with_database(server_url.replace("+psycopg", ""), "postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield with_database(server_url, name)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

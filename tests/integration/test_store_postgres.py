@@ -89,6 +89,34 @@ def test_claim_plan_uses_partial_pending_index(store: PostgresJobStore, settings
     assert len(store.claim_due(shard=0, epoch=epoch, limit=1000)) == 50
 
 
+def test_the_reconciler_reads_retrying_jobs_by_their_partial_index(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    # Issue 13 (12): the reconciler requeues retries that never started; on
+    # a big table that must stay an index range scan, not a table scan.
+    now = store.now()
+    store.insert_many(
+        new_job(f"r-{i}", now + dt.timedelta(seconds=i), shard=i % 2) for i in range(20_000)
+    )
+    schema = settings.db_schema
+    with raw_connect(settings) as conn:
+        conn.execute(
+            f"UPDATE \"{schema}\".jobs SET status = 'retrying', "
+            "dispatched_at = now() + (random() * 3600) * interval '1 second' "
+            "WHERE key LIKE 'r-1%'"
+        )
+        conn.commit()
+        conn.execute(f'ANALYZE "{schema}".jobs')
+    compiled = store._q.requeue_retrying.compile(dialect=store.engine.dialect)
+    params = {**compiled.params, "p_shard": 0, "p_limit": 1000, "default_timeout": 300.0}
+    with store.engine.connect() as conn:
+        plan = "\n".join(
+            row[0] for row in conn.exec_driver_sql(f"EXPLAIN {compiled.string}", params)
+        )
+    assert "jobs_retrying_idx" in plan, plan
+    assert "Seq Scan" not in plan, plan
+
+
 def test_schema_has_storage_params_and_partial_indexes(
     store: PostgresJobStore, settings: Settings
 ) -> None:

@@ -25,6 +25,7 @@ from celery.worker.request import Request
 from celery.worker.state import reserved_requests, task_reserved
 
 from celery_sched import fence, tracking
+from celery_sched.dispatch import HEADER_ATTEMPT
 from celery_sched.models import JobStatus
 from celery_sched.settings import Settings
 from celery_sched.store.ledger_postgres import PostgresLedger
@@ -79,6 +80,8 @@ def test_stale_and_cancelled_deliveries_are_acked_and_skipped_the_current_one_ru
     app: Celery, store: PostgresJobStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     requeued = _requeued(store, "requeued")
+    # The requeue's copy (attempt 1) started; the first copy arrives late.
+    assert store.mark_running(requeued, worker="w2", worker_pid=2)
     store.insert(new_job("cancelled", store.now() + dt.timedelta(hours=1)))
     assert store.cancel("cancelled")
     cancelled = store.get("cancelled")
@@ -97,13 +100,33 @@ def test_stale_and_cancelled_deliveries_are_acked_and_skipped_the_current_one_ru
     assert "attempt 0 is older than the job's attempt 1" in caplog.text
     assert "the job is cancelled" in caplog.text
     # Nothing was reported: the rows are as they were.
-    assert store.get("requeued").status == JobStatus.PENDING  # type: ignore[union-attr]
+    assert store.get("requeued").status == JobStatus.RUNNING  # type: ignore[union-attr]
     assert store.get("cancelled").status == JobStatus.CANCELLED  # type: ignore[union-attr]
 
     current = _request(app, requeued, "requeued", attempt=1)
     current.execute_using_pool(pool)
     pool.apply_async.assert_called_once()
     assert not current.acknowledged  # the pool's run acknowledges it
+
+
+def test_a_late_copy_of_a_requeued_job_nobody_started_takes_it_over(
+    app: Celery, store: PostgresJobStore
+) -> None:
+    # The queue was slower than the visibility timeout: the first copy
+    # arrives after the requeue, before anyone started the job. It goes to
+    # the pool as the job's next attempt; the requeue's copy is then fenced.
+    requeued = _requeued(store, "slow")
+    pool = Mock()
+    late = _request(app, requeued, "slow", attempt=0)
+    late.execute_using_pool(pool)
+    pool.apply_async.assert_called_once()
+    assert late._request_dict[HEADER_ATTEMPT] == 2  # what the pool child sees
+    row = store.get("slow")
+    assert row is not None and (row.status, row.attempt, row.worker) == (JobStatus.RUNNING, 2, None)
+    own = _request(app, requeued, "slow", attempt=1)
+    with pytest.raises(TaskRevokedError):
+        own.execute_using_pool(pool)
+    assert pool.apply_async.call_count == 1
 
 
 def test_messages_without_celery_sched_headers_or_with_a_live_job_are_not_checked_against(

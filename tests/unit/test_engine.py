@@ -19,7 +19,7 @@ from celery_sched.engine import Engine
 from celery_sched.errors import StagingUnavailable, StoreUnavailable
 from celery_sched.lease import LeaderElector
 from celery_sched.lease.memory import MemoryLeaseBackend
-from celery_sched.models import Job, JobStatus
+from celery_sched.models import Job, JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
 from celery_sched.staging.memory import MemoryStaging
 from celery_sched.store.memory import MemoryJobStore
@@ -366,6 +366,37 @@ def test_a_started_job_is_not_requeued(rig: Rig) -> None:
         rig.clock.advance(0.5)
         elector.renew()
     assert rig.dispatcher.sent_ids() == [job_id]
+
+
+def test_a_retry_whose_message_was_lost_is_sent_again_after_its_eta_and_the_timeout(
+    rig: Rig,
+) -> None:
+    # Issue 13 (12), seen in the chaos soak: a worker reported the job
+    # retrying in 10 s, then the broker restarted empty and the retry
+    # message was gone; the job stayed retrying for ever.
+    job_id = rig.add(-1)
+    elector = rig.elector("a")
+    elector.try_acquire()
+    engine = rig.engine(elector)
+    engine.step()
+    assert rig.dispatcher.sent_ids() == [job_id]
+    rig.store.apply_worker_updates(
+        [
+            WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker="w1", attempt=0),
+            WorkerUpdate(job_id=job_id, status=JobStatus.RETRYING, error="held", retry_in=10),
+        ]
+    )
+    # A retry is given its ETA plus the visibility timeout to start ...
+    rig.run(engine, 10 + rig.settings.visibility_timeout - 1)
+    assert rig.dispatcher.sent_ids() == [job_id]
+    assert rig.status(job_id) == JobStatus.RETRYING
+    # ... and is then sent again as the next attempt.
+    rig.run(engine, 1 + rig.settings.reconcile_interval + rig.settings.sweep_interval + 1)
+    assert rig.dispatcher.sent_ids() == [job_id, job_id]
+    assert rig.dispatcher.messages[-1].headers["celery_sched_attempt"] == 1
+    job = rig.store.get_by_id(job_id)
+    assert job is not None
+    assert (job.status, job.attempt) == (JobStatus.DISPATCHED, 1)
 
 
 def test_backlog_is_drained_in_batches_without_sleeping(rig: Rig) -> None:

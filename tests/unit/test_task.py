@@ -268,6 +268,8 @@ def test_fenced_deliveries_are_acknowledged_without_running_or_moving_the_row(
     env.store.reconcile(shard=0, epoch=1, limit=10, default_visibility_timeout=300)
     job = env.store.get_by_id(requeued)
     assert job is not None and (job.status, job.attempt) == (JobStatus.PENDING, 1)
+    # The requeue's copy (attempt 1) started; the first copy arrives late.
+    assert env.store.mark_running(requeued, worker="w2", worker_pid=2)
     env.store.insert(new_job("cancelled", env.store.now() + dt.timedelta(hours=1)))
     assert env.store.cancel("cancelled")
     cancelled = env.store.get("cancelled")
@@ -283,7 +285,12 @@ def test_fenced_deliveries_are_acknowledged_without_running_or_moving_the_row(
     assert env.ledger.get("requeued") is None and env.ledger.get("cancelled") is None
     tracking.flush_all()
     # The stale delivery's start report did not move the requeued row.
-    assert env.store.get("requeued").status == JobStatus.PENDING  # type: ignore[union-attr]
+    row = env.store.get("requeued")
+    assert row is not None and (row.status, row.worker, row.attempt) == (
+        JobStatus.RUNNING,
+        "w2",
+        1,
+    )
     assert env.store.get("cancelled").status == JobStatus.CANCELLED  # type: ignore[union-attr]
 
     # The current attempt runs.
@@ -292,6 +299,27 @@ def test_fenced_deliveries_are_acknowledged_without_running_or_moving_the_row(
     assert env.calls == [3]
     tracking.flush_all()
     assert env.store.get("requeued").status == JobStatus.SUCCEEDED  # type: ignore[union-attr]
+
+
+def test_a_late_copy_of_a_requeued_job_nobody_started_runs_once_as_its_next_attempt(
+    env: Env,
+) -> None:
+    # The queue was slower than the visibility timeout: the reconciler
+    # requeued the job, but its first copy arrives before anyone ran it.
+    # That copy takes the job over; the requeue's own copy is then fenced.
+    env.ledger.jobs = env.store
+    requeued = env.dispatched("slow", visibility_timeout=5)
+    env.clock.advance(10)
+    env.store.reconcile(shard=0, epoch=1, limit=10, default_visibility_timeout=300)
+    first = env.deliver("t.charge", requeued, "slow", 7, celery_sched_attempt=0)
+    assert first.get() == {"charged": 7}
+    tracking.flush_all()
+    row = env.store.get("slow")
+    assert row is not None and (row.status, row.attempt) == (JobStatus.SUCCEEDED, 2)
+    assert row.worker is not None  # its start report named the process
+    second = env.deliver("t.charge", requeued, "slow", 7, celery_sched_attempt=1)
+    assert second.state == "IGNORED"
+    assert env.calls == [7]
 
 
 def test_an_unavailable_ledger_delays_the_task_instead_of_running_it(

@@ -509,3 +509,120 @@ def test_other_failures_and_foreign_messages_are_left_to_task_postrun(
     )
     tracking.flush_all()
     assert store.get_by_id(job_id).status is JobStatus.RUNNING  # type: ignore[union-attr]
+
+
+# -- issue 13 (12): a retrying report says when its retry is due -----------------------
+
+
+class RecordingStore(MemoryJobStore):
+    """A memory store that keeps every worker report it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.updates: list[WorkerUpdate] = []
+
+    def apply_worker_updates(self, updates: Any) -> int:
+        self.updates.extend(updates)
+        return super().apply_worker_updates(updates)
+
+
+@pytest.mark.parametrize(
+    ("when", "expected"),
+    [
+        (30, 30.0),
+        (2.5, 2.5),
+        (0, 0.0),
+        (-5, 0.0),  # overdue: due now
+        ("eta+120", 120.0),
+        ("naive-eta+120", 120.0),  # a naive ETA is UTC, as the worker reads it
+        ("iso-eta+120", 120.0),
+        ("eta-60", 0.0),
+        (None, None),
+        (float("nan"), None),
+        ("not a date", None),
+        (1e300, tracking.REPORT_RETRY_IN_LIMIT),
+    ],
+)
+def test_the_delay_of_a_retry_comes_from_its_countdown_or_eta(
+    when: Any, expected: float | None
+) -> None:
+    from celery.exceptions import Retry
+
+    now = dt.datetime.now(dt.UTC)
+    if isinstance(when, str) and "eta" in when:
+        eta = now + dt.timedelta(seconds=float(when.rpartition("eta")[2]))
+        if when.startswith("naive"):
+            when = eta.replace(tzinfo=None)
+        elif when.startswith("iso"):
+            when = eta.isoformat()
+        else:
+            when = eta
+    retry_in = tracking._retry_in(Retry(when=when))
+    if expected is None:
+        assert retry_in is None
+    else:
+        assert retry_in is not None
+        assert expected - 2 <= retry_in <= expected, retry_in
+    assert tracking._retry_in(ValueError("not a retry")) is None
+
+
+@pytest.mark.parametrize("how", ["countdown", "eta"])
+def test_a_retry_report_carries_the_delay_and_the_store_keeps_when_it_is_due(how: str) -> None:
+    # Issue 13 (12), seen in the chaos soak: a retry's message was lost with
+    # the broker and its job stayed retrying for ever; the report now says
+    # when the retry is due, for the reconciler.
+    app = Celery("tracking-retry", set_as_current=False)
+    app.conf.task_always_eager = True
+    store = RecordingStore()
+    tracking.install(app, store=store)
+    seen: list[dt.datetime | None] = []
+
+    @app.task(name="t.retries", bind=True, shared=False)
+    def retries(self: Any) -> str:
+        if self.request.retries == 0:
+            if how == "countdown":
+                raise self.retry(countdown=30)
+            raise self.retry(eta=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=30))
+        # The eager retry runs at once: the first run's reports are written.
+        tracking.flush_all()
+        job = store.get_by_id(job_id)
+        assert job is not None
+        seen.append(job.dispatched_at)
+        return "done"
+
+    job_id = _dispatched(store, f"retried-{how}")
+    before = store.now()
+    result = app.tasks["t.retries"].apply(
+        task_id=str(job_id), headers={"celery_sched_key": f"retried-{how}"}
+    )
+    assert result.successful(), result.traceback
+    tracking.flush_all()
+    retrying = [u for u in store.updates if u.status == JobStatus.RETRYING]
+    assert len(retrying) == 1
+    assert retrying[0].retry_in is not None and 28 <= retrying[0].retry_in <= 30
+    # The retrying row's dispatched_at was set 30 s ahead ...
+    assert seen and seen[0] is not None
+    assert before + dt.timedelta(seconds=28) <= seen[0] <= store.now() + dt.timedelta(seconds=30)
+    # ... and the retry's own run went on as before: running, then succeeded.
+    job = store.get_by_id(job_id)
+    assert job is not None and job.status == JobStatus.SUCCEEDED
+
+
+def test_a_retrying_report_is_written_at_once() -> None:
+    # The retry's message is already sent: another process may start it
+    # within milliseconds, and that start is refused unless the job is
+    # retrying by then (the row would then say retrying while the retry
+    # runs, and be requeued a visibility timeout after its ETA).
+    store = RecordingStore()
+    job_id = _dispatched(store, "urgent")
+    writer = tracking.StatusWriter(store, interval=30.0)
+    try:
+        writer.report(WorkerUpdate(job_id=job_id, status=JobStatus.RUNNING, worker=None))
+        time.sleep(0.2)
+        assert store.updates == []  # an ordinary report waits for the interval
+        writer.report(WorkerUpdate(job_id=job_id, status=JobStatus.RETRYING, retry_in=5))
+        _wait_for(lambda: len(store.updates) == 2, timeout=2.0)
+    finally:
+        writer.close()
+    job = store.get_by_id(job_id)
+    assert job is not None and job.status == JobStatus.RETRYING

@@ -13,8 +13,10 @@ Create Date: 2026-12-03
 - ``schedules.broken_at`` / ``broken_reason``: a schedule the planner cannot
   plan is set aside with its reason instead of failing every pass; the
   planner's index leaves broken schedules out.
-- ``jobs_retrying_idx``: retrying jobs by shard (small, partial), so the
-  start-up check for rows in shards that no longer exist reads no big index.
+- ``jobs_retrying_idx``: retrying jobs by shard and by when their retry is
+  due (``dispatched_at``; small, partial), so the start-up check for rows in
+  shards that no longer exist reads no big index, and the reconciler finds
+  retries that never started (their message was lost) without a scan.
 - CHECK constraints on the enum-like text columns of ``schedules``
   (``misfire``, ``overlap``); ``jobs.status``, ``schedules.kind`` and
   ``ledger.state`` already have theirs.
@@ -67,11 +69,12 @@ def upgrade() -> None:
         postgresql_where=sa.text("enabled AND NOT paused AND broken_at IS NULL"),
     )
     # Beat's start-up check for rows in shards a lowered shard count left
-    # behind reads retrying jobs by this instead of scanning the table.
+    # behind reads retrying jobs by this instead of scanning the table; the
+    # reconciler reads a shard's retries in due order (dispatched_at).
     op.create_index(
         "jobs_retrying_idx",
         "jobs",
-        ["shard"],
+        ["shard", "dispatched_at"],
         schema=schema,
         postgresql_where=sa.text("status = 'retrying'"),
     )

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The chaos soak: 3 beats and 2 workers against private redis-server instances
+# and a database of its own, a job stream, seeded faults, then an invariant
+# check. Prints one JSON line last; exits non-zero on any violation.
+#
+#   ./scripts/soak.sh --minutes 30 [--seed 7] [--settle 90] [--keep]
+#
+# Needs PostgreSQL (CELERY_SCHED_TEST_DATABASE_URL, default the local server)
+# and the redis-server binary; scripts/bootstrap.sh provides both.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+exec "$ROOT/.venv/bin/python" -m tests.soak.runner "$@"

@@ -1,0 +1,258 @@
+"""The chaos soak's invariant checker: reads the soak database after the settle period.
+
+Invariants (each broken one is a violation naming the job and its rows):
+
+- ``lost``: a job the stream scheduled has no row.
+- ``stuck``: a job (one-off, or a periodic occurrence due before the stream
+  stopped) is still ``pending``, ``dispatched``, ``running`` or ``retrying``.
+- ``not_succeeded``: such a job finished as ``failed``, ``dead``,
+  ``cancelled`` or ``expired`` (faults alone must never end a job).
+- ``succeeded_without_run``: the row says ``succeeded`` but no execution started.
+- ``effect_not_once``: a key whose task writes its effect inside
+  ``ledger_transaction`` has that effect zero times or more than once.
+- ``periodic_duplicate`` / ``periodic_gap`` / ``periodic_none``: a schedule's
+  occurrences (one row per nominal instant) repeat an instant, miss one between
+  the first and the last, or do not exist.
+- ``schedule_failed``: the stream could not schedule a job (the client gave up).
+
+Figures: counts, the duplicate runs of plain tasks (allowed: at-least-once),
+the duplicate starts of ``celery_sched.Task`` tasks, and the lag (first start
+minus due time) of the jobs due outside every fault window.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as dt
+import itertools
+from typing import Any
+
+import psycopg
+
+from tests.soak.spec import PERIODIC
+
+UNFINISHED = ("pending", "dispatched", "running", "retrying")
+#: Tasks whose every key must have its effect exactly once.
+EFFECT_TASKS = ("soak.effect", "soak.periodic_task")
+PLAIN_TASKS = ("soak.plain", "soak.periodic_plain")
+#: Violations printed in full in the JSON line; the counts cover them all.
+MAX_LISTED = 40
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultWindow:
+    kind: str
+    start: float
+    end: float
+    #: Seconds after ``end`` during which recovery may still delay jobs.
+    grace: float
+    detail: str = ""
+
+    def covers(self, when: float) -> bool:
+        # Jobs due just before a fault were in flight when it hit.
+        return self.start - 3.0 <= when <= self.end + self.grace
+
+
+@dataclasses.dataclass(kw_only=True)
+class Manifest:
+    """What the runner did: the jobs it scheduled (key -> task) and the faults."""
+
+    jobs: dict[str, str]
+    stream_start: float
+    stream_end: float
+    faults: list[FaultWindow]
+    schedule_failures: list[dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRow:
+    id: str
+    key: str
+    task: str
+    status: str
+    attempt: int
+    due: float
+    schedule: str | None
+    last_error: str | None
+    worker: str | None
+    worker_pid: int | None
+
+    def shown(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "status": self.status,
+            "attempt": self.attempt,
+            "due": round(self.due, 3),
+            "worker": self.worker,
+            "worker_pid": self.worker_pid,
+            "last_error": (self.last_error or "")[:200] or None,
+        }
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float | None:
+        if not ordered:
+            return None
+        index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+        return round(ordered[index], 3)
+
+    return {"count": len(ordered), "p50": at(50), "p99": at(99), "max": at(100)}
+
+
+def _nominal(key: str) -> dt.datetime | None:
+    _name, sep, instant = key.rpartition("@")
+    if not sep:
+        return None
+    try:
+        return dt.datetime.fromisoformat(instant)
+    except ValueError:
+        return None
+
+
+def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict[str, Any]:
+    """Every invariant over the soak database at ``dsn``; returns the report."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        jobs = [
+            JobRow(str(r[0]), str(r[1]), *r[2:])
+            for r in conn.execute(
+                "SELECT j.id::text, coalesce(j.key, j.id::text), j.task, j.status, j.attempt, "
+                "extract(epoch FROM j.due_at)::float8, s.name, j.last_error, j.worker, "
+                f'j.worker_pid FROM "{schema}".jobs j '
+                f'LEFT JOIN "{schema}".schedules s ON s.id = j.schedule_id'
+            ).fetchall()
+        ]
+        runs = conn.execute(
+            "SELECT job_id, key, task, attempt, pid, hostname, started FROM soak_runs"
+        ).fetchall()
+        effects = collections.Counter(
+            str(key) for (key,) in conn.execute("SELECT key FROM soak_effects").fetchall()
+        )
+        ledger = {
+            str(r[0]): {"state": r[1], "owner": r[2], "attempts": r[3], "job_id": r[4]}
+            for r in conn.execute(
+                f'SELECT key, state, owner, attempts, job_id::text FROM "{schema}".ledger'
+            ).fetchall()
+        }
+
+    runs_by_job: dict[str, list[tuple[Any, ...]]] = collections.defaultdict(list)
+    for row in runs:
+        runs_by_job[str(row[0])].append(row)
+    by_key = {job.key: job for job in jobs}
+    violations: list[dict[str, Any]] = []
+
+    def violation(invariant: str, key: str, job: JobRow | None = None, **detail: Any) -> None:
+        entry: dict[str, Any] = {"invariant": invariant, "job": key}
+        if job is not None:
+            entry["row"] = job.shown()
+            entry["runs"] = [
+                {"attempt": r[3], "pid": r[4], "host": r[5], "started": round(r[6], 3)}
+                for r in runs_by_job.get(job.id, [])
+            ]
+            entry["effects"] = effects.get(key, 0)
+            if key in ledger:
+                entry["ledger"] = ledger[key]
+        entry.update(detail)
+        violations.append(entry)
+
+    for failure in manifest.schedule_failures:
+        violation("schedule_failed", failure["key"], error=failure["error"])
+
+    # The jobs that must have finished: every one-off the stream scheduled and
+    # every occurrence due before the stream stopped (later ones may still be
+    # pending in the plan horizon when the beats stop).
+    checked: list[JobRow] = []
+    for key in manifest.jobs:
+        job = by_key.get(key)
+        if job is None:
+            violation("lost", key, task=manifest.jobs[key])
+        else:
+            checked.append(job)
+    occurrences = [j for j in jobs if j.schedule is not None and j.due <= manifest.stream_end]
+    checked.extend(occurrences)
+
+    for job in checked:
+        if job.status in UNFINISHED:
+            violation("stuck", job.key, job)
+        elif job.status != "succeeded":
+            violation("not_succeeded", job.key, job)
+        elif not runs_by_job.get(job.id):
+            violation("succeeded_without_run", job.key, job)
+        if job.task in EFFECT_TASKS and effects.get(job.key, 0) != 1:
+            violation("effect_not_once", job.key, job)
+
+    periodic: dict[str, Any] = {}
+    for name, (_task, every) in PERIODIC.items():
+        mine = [j for j in occurrences if j.schedule == name]
+        instants: collections.Counter[dt.datetime] = collections.Counter()
+        for job in mine:
+            nominal = _nominal(job.key)
+            if nominal is None:
+                violation("periodic_bad_key", job.key, job)
+                continue
+            instants[nominal] += 1
+        for instant, count in instants.items():
+            if count > 1:
+                violation("periodic_duplicate", f"{name}@{instant.isoformat()}", count=count)
+        ordered = sorted(instants)
+        missing = []
+        for before, after in itertools.pairwise(ordered):
+            gap = (after - before).total_seconds()
+            if abs(gap - every) > 1e-3:
+                missing.append(
+                    {"after": before.isoformat(), "before": after.isoformat(), "gap": gap}
+                )
+        for hole in missing:
+            violation("periodic_gap", name, **hole)
+        if not ordered:
+            violation("periodic_none", name)
+        periodic[name] = {
+            "occurrences": len(mine),
+            "first": ordered[0].isoformat() if ordered else None,
+            "last": ordered[-1].isoformat() if ordered else None,
+        }
+
+    # Figures.
+    duplicate_plain = sum(
+        max(0, len(runs_by_job.get(j.id, [])) - 1) for j in checked if j.task in PLAIN_TASKS
+    )
+    duplicate_task_starts = sum(
+        max(0, len(runs_by_job.get(j.id, [])) - 1) for j in checked if j.task not in PLAIN_TASKS
+    )
+    lags_all: list[float] = []
+    lags_quiet: list[float] = []
+    for job in checked:
+        starts = [float(r[6]) for r in runs_by_job.get(job.id, [])]
+        if not starts:
+            continue
+        lag = min(starts) - job.due
+        lags_all.append(lag)
+        if not any(window.covers(job.due) for window in manifest.faults):
+            lags_quiet.append(lag)
+    statuses = collections.Counter(job.status for job in checked)
+    counts = collections.Counter(v["invariant"] for v in violations)
+    return {
+        "jobs_scheduled": len(manifest.jobs),
+        "occurrences_checked": len(occurrences),
+        "statuses": dict(sorted(statuses.items())),
+        "runs": len(runs),
+        "effects": sum(effects.values()),
+        "duplicate_plain_runs": duplicate_plain,
+        "duplicate_task_starts": duplicate_task_starts,
+        "lag_outside_faults_s": _percentiles(lags_quiet),
+        "lag_all_s": _percentiles(lags_all),
+        "periodic": periodic,
+        "faults": [
+            {
+                "kind": f.kind,
+                "at": round(f.start - manifest.stream_start, 1),
+                "seconds": round(f.end - f.start, 2),
+                "detail": f.detail,
+            }
+            for f in manifest.faults
+        ],
+        "violation_counts": dict(sorted(counts.items())),
+        "violations": violations[:MAX_LISTED],
+    }
