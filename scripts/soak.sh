@@ -11,4 +11,6 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# A fresh checkout has no .venv yet: set it up (and the services) first.
+[[ -x "$ROOT/.venv/bin/python" ]] || bash "$ROOT/scripts/bootstrap.sh"
 exec "$ROOT/.venv/bin/python" -m tests.soak.runner "$@"

@@ -369,7 +369,6 @@ class _Queries:
             .table_valued("id", "reason")
             .render_derived(name="failed", with_types=False)
         )
-        fails_for_good = c.attempt + 1 >= c.max_attempts
         self.fail_dispatch = (
             update(jobs)
             .where(
@@ -377,19 +376,7 @@ class _Queries:
                 c.status == _DISPATCHED,
                 c.leader_epoch == bindparam("p_epoch"),
             )
-            .values(
-                status=case((fails_for_good, "dead"), else_="pending"),
-                attempt=c.attempt + 1,
-                dispatched_at=None,
-                finished_at=case((fails_for_good, now), else_=None),
-                last_error=func.format(
-                    "not published: %s (attempt %s of %s)%s",
-                    failed.c.reason,
-                    c.attempt + 1,
-                    c.max_attempts,
-                    case((fails_for_good, "; giving up"), else_=""),
-                ),
-            )
+            .values(**self._requeue("not published: %s", failed.c.reason))
             .returning(c.status)
         )
         # Rows left in shards a lowered shard count no longer leads. One
@@ -406,7 +393,7 @@ class _Queries:
         )
 
         # -- reconciler --
-        gives_up = c.attempt + 1 >= c.max_attempts
+        gives_up = c.attempt + 1 >= c.max_attempts  # the rescuer gives up as _requeue does
         timeout = func.coalesce(
             c.visibility_timeout, bindparam("default_timeout", type_=postgresql.DOUBLE_PRECISION)
         )
@@ -425,19 +412,7 @@ class _Queries:
         self.requeue_dispatched = (
             update(jobs)
             .where(c.id == stale_dispatched.c.id)
-            .values(
-                status=case((gives_up, "dead"), else_="pending"),
-                attempt=c.attempt + 1,
-                dispatched_at=None,
-                finished_at=case((gives_up, now), else_=None),
-                last_error=func.format(
-                    "not started within %ss of dispatch (attempt %s of %s)%s",
-                    timeout,
-                    c.attempt + 1,
-                    c.max_attempts,
-                    case((gives_up, "; giving up"), else_=""),
-                ),
-            )
+            .values(**self._requeue("not started within %ss of dispatch", timeout))
             .returning(c.status)
         )
         # A retrying job's dispatched_at is when its retry message is due
@@ -464,19 +439,9 @@ class _Queries:
             update(jobs)
             .where(c.id == stale_retrying.c.id)
             .values(
-                status=case((gives_up, "dead"), else_="pending"),
-                attempt=c.attempt + 1,
-                dispatched_at=None,
-                started_at=None,
-                finished_at=case((gives_up, now), else_=None),
-                last_error=func.format(
-                    "its retry did not start within %ss of its ETA %s (attempt %s of %s)%s",
-                    timeout,
-                    c.dispatched_at,
-                    c.attempt + 1,
-                    c.max_attempts,
-                    case((gives_up, "; giving up"), else_=""),
-                ),
+                **self._requeue(
+                    "its retry did not start within %ss of its ETA %s", timeout, c.dispatched_at
+                )
             )
             .returning(c.status)
         )
@@ -497,19 +462,11 @@ class _Queries:
             update(jobs)
             .where(c.id == overrunning.c.id)
             .values(
-                status=case((gives_up, "dead"), else_="pending"),
-                attempt=c.attempt + 1,
-                dispatched_at=None,
-                started_at=None,
-                finished_at=case((gives_up, now), else_=None),
-                last_error=func.format(
-                    "ran longer than max_runtime %ss on %s (attempt %s of %s)%s",
+                **self._requeue(
+                    "ran longer than max_runtime %ss on %s",
                     c.max_runtime,
                     func.coalesce(c.worker, "an unknown worker"),
-                    c.attempt + 1,
-                    c.max_attempts,
-                    case((gives_up, "; giving up"), else_=""),
-                ),
+                )
             )
             .returning(c.status)
         )
@@ -740,20 +697,7 @@ class _Queries:
                 c.status == any_(_text_array("dispatched", "running")),
                 or_(lost.c.attempt.is_(None), c.attempt == cast(lost.c.attempt, Integer)),
             )
-            .values(
-                status=case((gives_up, "dead"), else_="pending"),
-                attempt=c.attempt + 1,
-                dispatched_at=None,
-                started_at=None,
-                finished_at=case((gives_up, now), else_=None),
-                last_error=func.format(
-                    "%s (attempt %s of %s)%s",
-                    lost.c.error,
-                    c.attempt + 1,
-                    c.max_attempts,
-                    case((gives_up, "; giving up"), else_=""),
-                ),
-            )
+            .values(**self._requeue("%s", lost.c.error))
         )
         self.cancel = (
             update(jobs)
@@ -772,6 +716,29 @@ class _Queries:
             .with_for_update(skip_locked=True)
         )
         self.prune = delete(jobs).where(c.id.in_(prunable.scalar_subquery()))
+
+    def _requeue(self, why: str, *args: Any) -> dict[str, Any]:
+        """The values of every requeue (reconciler, failed publish, lost
+        process): pending again with ``attempt + 1``, or ``dead`` once that
+        reaches ``max_attempts``; ``last_error`` is ``why`` (a ``format()``
+        string over ``args``) with the attempt count after it."""
+        c = self.jobs.c
+        now = func.now()
+        gives_up = c.attempt + 1 >= c.max_attempts
+        return {
+            "status": case((gives_up, "dead"), else_="pending"),
+            "attempt": c.attempt + 1,
+            "dispatched_at": None,
+            "started_at": None,
+            "finished_at": case((gives_up, now), else_=None),
+            "last_error": func.format(
+                f"{why} (attempt %s of %s)%s",
+                *args,
+                c.attempt + 1,
+                c.max_attempts,
+                case((gives_up, "; giving up"), else_=""),
+            ),
+        }
 
     def _claim(self, chosen: Any, *recheck: ColumnElement[bool]) -> Update:
         c = self.jobs.c
