@@ -216,6 +216,11 @@ def apply(app: Any) -> int:
         return 0
     changed = 0
     for task in list(app.tasks.values()):
+        if getattr(task, "fenced_by_ledger", False):
+            # A celery_sched.Task: its ledger take applies the same fence in
+            # the statement it runs anyway; a second read here would only
+            # cost the worker's main process a round trip per delivery.
+            continue
         current = symbol_by_name(task.Request)
         if not issubclass(current, FencedRequest):
             task.Request = fenced(current)

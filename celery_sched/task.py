@@ -290,6 +290,10 @@ class Task(celery.Task[..., Any]):
     acks_late = True
     reject_on_worker_lost = True
 
+    #: The ledger take applies the delivery fence (always on), so the worker
+    #: request class of :mod:`celery_sched.fence` leaves these tasks alone.
+    fenced_by_ledger = True
+
     idempotency_key: str | Callable[..., Any] | None = None
     visibility_timeout: float | None = None
     max_attempts: int | None = None

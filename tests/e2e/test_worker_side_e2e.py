@@ -191,8 +191,9 @@ def test_the_same_message_published_twice_has_its_side_effect_once(
         )
         wait_for(lambda: _succeeded(cluster, "dup"), timeout=10, what="the job to succeed")
         # The waiting copy comes back after the job succeeded, and so does a
-        # third copy: the worker's fence acknowledges both without running them.
-        fenced = "not running this delivery (attempt 0): the job is succeeded"
+        # third copy: the fence of the Task's ledger take acknowledges both
+        # without running them.
+        fenced = "not running this delivery: the job is succeeded"
         wait_for(lambda: worker.output().count(fenced) >= 1, timeout=30, what="the retry fenced")
         assert publisher.publish([claimed], epoch=epoch, now=cluster.store.now()).sent
         wait_for(lambda: worker.output().count(fenced) >= 2, timeout=30, what="a copy fenced")
@@ -200,7 +201,9 @@ def test_the_same_message_published_twice_has_its_side_effect_once(
         publisher.close()
     assert cluster.effects("dup") == ["dup"]
     outcomes = cluster.outcomes("dup")
-    assert sorted(state for state, _ in outcomes) == ["RETRY", "SUCCESS"], outcomes
+    assert sorted(state for state, _ in outcomes) == ["IGNORED", "IGNORED", "RETRY", "SUCCESS"], (
+        outcomes
+    )
     assert {retval for state, retval in outcomes if state == "SUCCESS"} == {'{"tag": "dup"}'}
     entry = cluster.ledger.get("dup")
     assert entry is not None and entry.state == LedgerState.COMPLETED

@@ -24,6 +24,7 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 from celery.worker.state import reserved_requests, task_reserved
 
+import celery_sched
 from celery_sched import fence, tracking
 from celery_sched.dispatch import HEADER_ATTEMPT
 from celery_sched.models import JobStatus
@@ -180,12 +181,17 @@ def test_tracking_install_fences_every_task_when_the_worker_starts(settings: Set
     def custom() -> None:
         """Keeps its own request class, with the fence mixed in."""
 
+    @app.task(name="ledger.task", shared=False, base=celery_sched.Task)
+    def ledgered() -> None:
+        """Fenced by its ledger take: no second read in the main process."""
+
     assert not issubclass(symbol_by_name(app.tasks["plain.late"].Request), fence.FencedRequest)
     signals.worker_init.send(sender=Mock(app=app))
     late_cls = symbol_by_name(app.tasks["plain.late"].Request)
     custom_cls = symbol_by_name(app.tasks["plain.custom"].Request)
     assert issubclass(late_cls, fence.FencedRequest) and issubclass(late_cls, Request)
     assert issubclass(custom_cls, fence.FencedRequest) and issubclass(custom_cls, Custom)
+    assert not issubclass(symbol_by_name(app.tasks["ledger.task"].Request), fence.FencedRequest)
 
 
 def test_the_setting_turns_the_fence_off(settings: Settings) -> None:
