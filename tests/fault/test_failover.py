@@ -60,7 +60,12 @@ def test_kill_9_of_leader_mid_batch_standby_takes_over_and_every_job_runs(
 def test_paused_leader_is_fenced_and_steps_down_after_sigcont(
     redis_url: str, make_cluster: Any, e2e_settings: Any
 ) -> None:
-    cluster = make_cluster(redis_url)
+    # The pause can catch the leader between claiming a batch and publishing
+    # it; once its lease is gone it writes nothing, and the batch waits for
+    # the reconciler. A visibility timeout shorter than the default lets that
+    # happen within the test.
+    settings = dataclasses.replace(e2e_settings, visibility_timeout=10.0)
+    cluster = make_cluster(redis_url, settings)
     cluster.start_worker()
     cluster.start_beat("beat1")
     old_epoch, _ = wait_for(cluster.leader, timeout=30, what="a leader")
@@ -69,7 +74,7 @@ def test_paused_leader_is_fenced_and_steps_down_after_sigcont(
     assert paused is not None
 
     jobs = spread_jobs(2000, time.time() + 1, 8, tag="paused")
-    client_for(e2e_settings).schedule_many(jobs)
+    client_for(settings).schedule_many(jobs)
     time.sleep(2)
     paused.signal(signal.SIGSTOP)
     try:
@@ -79,12 +84,12 @@ def test_paused_leader_is_fenced_and_steps_down_after_sigcont(
             what="the standby to take over",
         )
         takeover_at = cluster.query("SELECT acquired_at FROM {s}.leaders WHERE shard = 0")[0][0]
-        time.sleep(e2e_settings.lease_ttl)
+        time.sleep(settings.lease_ttl)
     finally:
         paused.signal(signal.SIGCONT)
 
     wait_for(lambda: "stepping down" in paused.output(), timeout=20, what="the step-down")
-    wait_for(lambda: cluster.run_count() >= len(jobs), timeout=60, what="every job to run")
+    wait_for(lambda: cluster.run_count() >= len(jobs), timeout=90, what="every job to run")
     time.sleep(1)
     runs = cluster.runs()
     per_key = collections.Counter(key for _i, key, _d, _r in runs)
