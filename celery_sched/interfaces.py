@@ -1,10 +1,12 @@
 """The I/O interfaces of celery_sched, in one place.
 
-Each interface has one real backend module and one in-memory fake for unit
-tests; both pass the same contract test suite (``tests/contract``). Methods
-say what is atomic and what they raise. Every backend raises only
-:mod:`celery_sched.errors` exceptions: driver errors are translated inside the
-backend module.
+Each interface has one real backend and one in-memory fake for unit tests;
+both pass the same contract test suite (``tests/contract``). The job store
+(:class:`JobStore`) is split into the roles its callers need
+(:class:`Jobs`, :class:`WorkerReports`, :class:`ScheduleStore`); a caller
+that needs one role may ask for that role alone. Methods say what is atomic
+and what they raise. Every backend raises only :mod:`celery_sched.errors`
+exceptions: driver errors are translated inside the backend.
 """
 
 from __future__ import annotations
@@ -37,16 +39,17 @@ from celery_sched.models import (
 from celery_sched.timeutil import ensure_utc, to_epoch_seconds
 
 
-class JobStore(abc.ABC):
-    """The source of truth for jobs (PostgreSQL).
+class StoreLifecycle(abc.ABC):
+    """What every role of the job store has: its lifecycle and its clock.
 
-    Due-ness and timeouts are judged by the store's clock (:meth:`now`,
-    Postgres ``now()``), never the caller's. Every method is one transaction
-    unless it says otherwise. Unreachable backends raise
-    :class:`~celery_sched.errors.StoreUnavailable` after bounded retries.
+    The store is PostgreSQL; its roles (:class:`Jobs`, :class:`WorkerReports`,
+    :class:`ScheduleStore`) are the parts of it that different callers need,
+    and :class:`JobStore` is all of them. Due-ness and timeouts are judged by
+    the store's clock (:meth:`now`, Postgres ``now()``), never the caller's.
+    Every method is one transaction unless it says otherwise. Unreachable
+    backends raise :class:`~celery_sched.errors.StoreUnavailable` after
+    bounded retries.
     """
-
-    # -- lifecycle ----------------------------------------------------------
 
     @abc.abstractmethod
     def migrate(self) -> None:
@@ -59,6 +62,12 @@ class JobStore(abc.ABC):
     @abc.abstractmethod
     def now(self) -> dt.datetime:
         """The store's current time (aware UTC)."""
+
+
+class Jobs(StoreLifecycle):
+    """The job rows: writing and reading them, a user's cancel, and the
+    leader's work on them (fencing epochs, claims, requeues, the rescue of
+    lost workers' jobs, pruning)."""
 
     # -- writing jobs -------------------------------------------------------
 
@@ -234,7 +243,18 @@ class JobStore(abc.ABC):
         at most ``limit`` rows; fenced like a claim (raises ``StaleEpoch``).
         """
 
-    # -- worker transitions -------------------------------------------------
+    # -- housekeeping -------------------------------------------------------
+
+    @abc.abstractmethod
+    def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
+        """Delete finished jobs whose finished_at is more than ``older_than``
+        seconds ago, ``batch`` rows per transaction, at most ``max_batches``
+        transactions (None: until none is left); return the total."""
+
+
+class WorkerReports(StoreLifecycle):
+    """What workers report: their processes' heartbeats and their jobs'
+    transitions (started, retrying, finished, lost)."""
 
     @abc.abstractmethod
     def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
@@ -279,34 +299,30 @@ class JobStore(abc.ABC):
         error, or dead past ``max_attempts``.
         """
 
-    # -- housekeeping -------------------------------------------------------
-
-    @abc.abstractmethod
-    def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
-        """Delete finished jobs whose finished_at is more than ``older_than``
-        seconds ago, ``batch`` rows per transaction, at most ``max_batches``
-        transactions (None: until none is left); return the total."""
-
     @abc.abstractmethod
     def prune_workers(self, *, older_than: float) -> int:
         """Delete heartbeat rows not seen for ``older_than`` seconds; return how many."""
 
-    # -- periodic schedules -------------------------------------------------
-    #
-    # A schedule's future occurrences are pending job rows (``schedule_id``
-    # set, key ``name@<nominal>``). Every change a user makes *withdraws*
-    # them: pending occurrences of the schedule not yet due (``due_at >
-    # now()``) are deleted (they were never dispatched, and deleting frees
-    # their keys for re-planning), and, unless the change restarts the
-    # timing, the cursor rolls back to the earliest withdrawn one
-    # (``last_nominal_at = NULL``, ``next_nominal_at`` = its due time), so the
-    # planner materializes them again from the current definition. Every
-    # change also bumps ``version``.
-    #
-    # A schedule the planner cannot plan is marked *broken* (``broken_at``,
-    # ``broken_reason``) and left out of planning; a user's change to it
-    # (replace, resume, a changed static definition) clears the mark so the
-    # planner tries it again.
+
+class ScheduleStore(StoreLifecycle):
+    """The periodic schedules, and the occurrences (job rows) the planner
+    writes for them.
+
+    A schedule's future occurrences are pending job rows (``schedule_id``
+    set, key ``name@<nominal>``). Every change a user makes *withdraws*
+    them: pending occurrences of the schedule not yet due (``due_at >
+    now()``) are deleted (they were never dispatched, and deleting frees
+    their keys for re-planning), and, unless the change restarts the
+    timing, the cursor rolls back to the earliest withdrawn one
+    (``last_nominal_at = NULL``, ``next_nominal_at`` = its due time), so the
+    planner materializes them again from the current definition. Every
+    change also bumps ``version``.
+
+    A schedule the planner cannot plan is marked *broken* (``broken_at``,
+    ``broken_reason``) and left out of planning; a user's change to it
+    (replace, resume, a changed static definition) clears the mark so the
+    planner tries it again.
+    """
 
     @abc.abstractmethod
     def add_schedules(self, schedules: Sequence[NewSchedule]) -> int:
@@ -440,6 +456,13 @@ class JobStore(abc.ABC):
         it was marked. ``reason`` is stored as given: it must be text
         PostgreSQL accepts (no NUL, no lone surrogate).
         """
+
+
+class JobStore(Jobs, WorkerReports, ScheduleStore):
+    """The source of truth for jobs (PostgreSQL): every role of the store.
+
+    Callers that need only a part of it may ask for that role instead.
+    """
 
 
 class LeaseBackend(abc.ABC):

@@ -1,8 +1,10 @@
-"""The PostgreSQL job store (:mod:`celery_sched.store.postgres`) and its schema.
+"""The job store and the idempotency ledger: PostgreSQL
+(:mod:`celery_sched.store.postgres`), the in-memory fakes of unit tests
+(:mod:`celery_sched.store.memory`, :mod:`celery_sched.store.ledger_memory`),
+and the schema they share (:mod:`celery_sched.store.schema`).
 
 Kept light on purpose: importing this package loads neither the database
-driver nor Alembic. Import :class:`~celery_sched.store.postgres.PostgresJobStore`
-from its module.
+driver nor Alembic. Import the backends from their packages.
 """
 
 from __future__ import annotations

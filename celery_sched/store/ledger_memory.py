@@ -1,6 +1,6 @@
 """An in-memory :class:`~celery_sched.interfaces.Ledger` for unit tests.
 
-It mirrors :class:`~celery_sched.store.ledger_postgres.PostgresLedger`
+It mirrors :class:`~celery_sched.store.postgres.ledger.PostgresLedger`
 (``tests/contract/test_ledger_contract.py`` runs against both): one lock
 stands in for row locks and transactions, the injectable ``clock`` plays
 Postgres ``now()``, and results are kept as JSON text, as JSONB keeps them.
@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 from celery_sched.errors import LedgerConflict
-from celery_sched.interfaces import JobStore, Ledger
+from celery_sched.interfaces import Jobs, Ledger
 from celery_sched.models import (
     ClaimOutcome,
     DeliveryCheck,
@@ -30,7 +30,7 @@ from celery_sched.models import (
     LedgerState,
     delivery_fence,
 )
-from celery_sched.store.memory import MemoryJobStore
+from celery_sched.store.memory.jobs import MemoryJobs
 from celery_sched.timeutil import UTC
 
 
@@ -67,7 +67,7 @@ class MemoryLedger(Ledger):
     """
 
     def __init__(
-        self, clock: Callable[[], dt.datetime] | None = None, *, jobs: JobStore | None = None
+        self, clock: Callable[[], dt.datetime] | None = None, *, jobs: Jobs | None = None
     ) -> None:
         self._clock = clock or _utcnow
         self._lock = threading.RLock()
@@ -148,7 +148,7 @@ class MemoryLedger(Ledger):
     def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
         if self.jobs is None:
             return DeliveryCheck()
-        if isinstance(self.jobs, MemoryJobStore):
+        if isinstance(self.jobs, MemoryJobs):
             job, adopted = self.jobs.adopt_delivery(job_id, attempt)
         else:
             job, adopted = self.jobs.get_by_id(job_id), None

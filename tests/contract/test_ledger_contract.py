@@ -84,8 +84,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[tuple[Ledger, Effects, J
         jobs = MemoryJobStore()
         yield MemoryLedger(jobs=jobs), Effects(None), jobs
         return
-    from celery_sched.store.ledger_postgres import PostgresLedger
-    from celery_sched.store.postgres import PostgresJobStore
+    from celery_sched.store.postgres import PostgresJobStore, PostgresLedger
 
     settings: Settings = request.getfixturevalue("settings")
     store = PostgresJobStore(settings)

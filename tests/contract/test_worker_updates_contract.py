@@ -185,8 +185,7 @@ def rescue_backend(request: pytest.FixtureRequest) -> Iterator[tuple[JobStore, L
         ledger = MemoryLedger()
         yield MemoryJobStore(ledger=ledger), ledger
         return
-    from celery_sched.store.ledger_postgres import PostgresLedger
-    from celery_sched.store.postgres import PostgresJobStore
+    from celery_sched.store.postgres import PostgresJobStore, PostgresLedger
 
     store = PostgresJobStore(request.getfixturevalue("settings"))
     store.migrate()

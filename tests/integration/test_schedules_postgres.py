@@ -15,7 +15,8 @@ from celery_sched import schedules
 from celery_sched.client import Client
 from celery_sched.errors import ScheduleExists, UnknownTimezone
 from celery_sched.models import JobStatus
-from celery_sched.planner import Planner, schedule_row
+from celery_sched.planner import Planner
+from celery_sched.schedules.rows import schedule_row
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
 from tests.integration import cli_app

@@ -107,7 +107,7 @@ def test_the_reconciler_reads_retrying_jobs_by_their_partial_index(
         )
         conn.commit()
         conn.execute(f'ANALYZE "{schema}".jobs')
-    compiled = store._q.requeue_retrying.compile(dialect=store.engine.dialect)
+    compiled = store.statements.requeue_retrying.compile(dialect=store.engine.dialect)
     params = {**compiled.params, "p_shard": 0, "p_limit": 1000, "default_timeout": 300.0}
     with store.engine.connect() as conn:
         plan = "\n".join(
@@ -412,10 +412,10 @@ def test_a_claim_retried_after_an_ambiguous_commit_loses_no_row(
     store: PostgresJobStore, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 13: the COMMIT of a claim reaches PostgreSQL but its reply is
-    lost; ``_tx`` retries the whole claim, which takes other rows. The first
+    lost; ``Database.transaction`` retries the whole claim, which takes other rows. The first
     claim's rows stay dispatched (nobody publishes them) and the reconciler
     requeues them after their visibility timeout, with an attempt counted."""
-    from celery_sched.store import postgres
+    from celery_sched.store.postgres.connection import TransientDatabaseError
 
     now = store.now()
     for i in range(6):
@@ -424,17 +424,17 @@ def test_a_claim_retried_after_an_ambiguous_commit_loses_no_row(
         )
     epoch = store.acquire_epoch(0, "ambiguous")
     lost: list[Job] = []
-    real_guard = store._guard
+    real_guard = store.database.guard
 
     def guard(fn: Any, what: str) -> Any:
         result = real_guard(fn, what)  # committed
         if what == "claim_due" and not lost:
             lost.extend(result)
             error = psycopg.OperationalError("server closed the connection unexpectedly")
-            raise postgres.TransientDatabaseError(error)
+            raise TransientDatabaseError(error)
         return result
 
-    monkeypatch.setattr(store, "_guard", guard)
+    monkeypatch.setattr(store.database, "guard", guard)
     claimed = store.claim_due(shard=0, epoch=epoch, limit=3)
     assert [job.key for job in lost] == ["amb-0", "amb-1", "amb-2"]
     assert [job.key for job in claimed] == ["amb-3", "amb-4", "amb-5"]
@@ -496,7 +496,7 @@ def test_the_shard_check_reads_only_partial_indexes(
     with raw_connect(settings) as conn:
         conn.execute(f'ANALYZE "{settings.db_schema}".jobs')
     with store.engine.connect() as conn:
-        compiled = store._q.unfinished_by_shard.compile(
+        compiled = store.statements.unfinished_by_shard.compile(
             dialect=store.engine.dialect, compile_kwargs={"render_postcompile": True}
         )
         params = {k: 2 if k == "from_shard" else v for k, v in compiled.params.items()}

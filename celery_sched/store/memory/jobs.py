@@ -1,0 +1,429 @@
+"""The job rows in memory: :class:`~celery_sched.interfaces.Jobs` for unit tests."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from celery_sched.errors import DuplicateJob, StaleEpoch
+from celery_sched.interfaces import Jobs
+from celery_sched.models import (
+    ADOPTABLE_STATUSES,
+    FINISHED_STATUSES,
+    UNFINISHED_STATUSES,
+    Job,
+    JobStatus,
+    LedgerState,
+    NewJob,
+    ReconcileResult,
+)
+from celery_sched.store.memory.base import MemoryStoreBase
+from celery_sched.timeutil import ensure_utc
+
+
+class MemoryJobs(MemoryStoreBase, Jobs):
+    """:class:`~celery_sched.interfaces.Jobs` in memory."""
+
+    # -- writing jobs -------------------------------------------------------
+
+    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+        return self._insert(job, if_exists)
+
+    def insert_many(self, jobs: Iterable[NewJob]) -> int:
+        with self._lock:
+            now = self.now()
+            staged: dict[str, Job] = {}
+            ids: set[uuid.UUID] = set()
+            # The iterable is consumed lazily, as COPY would stream it; an
+            # exception it raises propagates unchanged and nothing is kept.
+            for job in jobs:
+                if job.key in self._by_key or job.key in staged:
+                    raise DuplicateJob(key=job.key)
+                if job.id in self._jobs or job.id in ids:
+                    raise DuplicateJob(f"a job with id {job.id} already exists", key=job.key)
+                staged[job.key] = self._new_row(job, now)
+                ids.add(job.id)
+            for stored in staged.values():
+                self._put(stored)
+            return len(staged)
+
+    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+        with self._lock:
+            now = self.now()
+            written: list[uuid.UUID] = []
+            for job in jobs:
+                if job.key in self._by_key or job.id in self._jobs:
+                    continue
+                self._put(self._new_row(job, now))
+                written.append(job.id)
+            return written
+
+    # -- reading ------------------------------------------------------------
+
+    def get(self, key: str) -> Job | None:
+        with self._lock:
+            job_id = self._by_key.get(key)
+            return None if job_id is None else self._jobs[job_id]
+
+    def get_by_id(self, job_id: uuid.UUID) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def adopt_delivery(
+        self, job_id: uuid.UUID, attempt: int | None
+    ) -> tuple[Job | None, int | None]:
+        """The memory twin of the PostgreSQL ledger's adoption step (see
+        :meth:`~celery_sched.interfaces.Ledger.check_delivery`): the job as
+        it was, and the attempt a delivery of ``attempt`` took it over as
+        (``None`` when it did not)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if (
+                job is None
+                or attempt is None
+                or job.status not in ADOPTABLE_STATUSES
+                or job.attempt <= attempt
+            ):
+                return job, None
+            adopted = self._update(
+                job,
+                status=JobStatus.RUNNING,
+                attempt=job.attempt + 1,
+                started_at=self.now(),
+                worker=None,
+                worker_pid=None,
+            )
+            return job, adopted.attempt
+
+    def counts_by_status(self) -> dict[JobStatus, int]:
+        with self._lock:
+            counts: dict[JobStatus, int] = {}
+            for job in self._jobs.values():
+                counts[job.status] = counts.get(job.status, 0) + 1
+            return counts
+
+    def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
+        with self._lock:
+            counts: dict[dt.datetime, int] = {}
+            for job in self._jobs.values():
+                if status is not None and job.status != status:
+                    continue
+                hour = job.due_at.replace(minute=0, second=0, microsecond=0)
+                counts[hour] = counts.get(hour, 0) + 1
+            return counts
+
+    # -- user transitions ---------------------------------------------------
+
+    def cancel(self, key: str) -> bool:
+        with self._lock:
+            job_id = self._by_key.get(key)
+            if job_id is None:
+                return False
+            job = self._jobs[job_id]
+            if job.status != JobStatus.PENDING:
+                return False
+            self._update(job, status=JobStatus.CANCELLED, finished_at=self.now())
+            return True
+
+    # -- leadership fencing -------------------------------------------------
+
+    def acquire_epoch(self, shard: int, holder: str) -> int:
+        with self._lock:
+            epoch = self._epochs.get(shard, 0) + 1
+            self._epochs[shard] = epoch
+            self._holders[shard] = holder
+            return epoch
+
+    def current_epoch(self, shard: int) -> int:
+        with self._lock:
+            return self._epochs.get(shard, 0)
+
+    def _check_epoch(self, shard: int, epoch: int) -> None:
+        current = self._epochs.get(shard, 0)
+        if current == 0 or epoch != current:
+            raise StaleEpoch(
+                f"epoch {epoch} is not the current epoch {current} of shard {shard}; "
+                "another leader took over"
+            )
+
+    # -- dispatch transitions -----------------------------------------------
+
+    def due_soon(
+        self,
+        *,
+        shard: int,
+        within: float,
+        limit: int,
+        after: dt.datetime | None = None,
+    ) -> list[tuple[uuid.UUID, dt.datetime]]:
+        if after is not None:
+            after = ensure_utc(after, name="after")
+        with self._lock:
+            horizon = self.now() + dt.timedelta(seconds=within)
+            rows = [
+                job
+                for job in self._jobs.values()
+                if job.shard == shard
+                and job.status == JobStatus.PENDING
+                and job.due_at <= horizon
+                and (after is None or job.due_at > after)
+            ]
+            rows.sort(key=_due_order)
+            return [(job.id, job.due_at) for job in rows[: max(limit, 0)]]
+
+    def claim_due(self, *, shard: int, epoch: int, limit: int) -> list[Job]:
+        if limit <= 0:
+            # Like the Postgres store: an empty claim touches nothing, fence included.
+            return []
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            rows = [
+                job
+                for job in self._jobs.values()
+                if job.shard == shard and job.status == JobStatus.PENDING and job.due_at <= now
+            ]
+            return self._claim(rows, epoch, now, limit)
+
+    def claim_ids(self, ids: Sequence[uuid.UUID], *, shard: int, epoch: int) -> list[Job]:
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            rows = []
+            for job_id in set(ids):
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.shard == shard
+                    and job.status == JobStatus.PENDING
+                    and job.due_at <= now
+                ):
+                    rows.append(job)
+            return self._claim(rows, epoch, now, len(rows))
+
+    def _claim(self, rows: list[Job], epoch: int, now: dt.datetime, limit: int) -> list[Job]:
+        rows.sort(key=_due_order)
+        return [
+            self._update(job, status=JobStatus.DISPATCHED, dispatched_at=now, leader_epoch=epoch)
+            for job in rows[: max(limit, 0)]
+        ]
+
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
+        return self._move_fenced(ids, epoch, status=JobStatus.PENDING, dispatched_at=None)
+
+    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+        with self._lock:
+            now = self.now()
+            # Re-checked by the store's clock, as the Postgres statement does.
+            due = [
+                job_id
+                for job_id in ids
+                if (job := self._jobs.get(job_id)) is not None
+                and job.expires_at is not None
+                and job.expires_at <= now
+            ]
+            return self._move_fenced(
+                due, epoch, status=JobStatus.EXPIRED, finished_at=now, last_error=reason
+            )
+
+    def fail_dispatch(
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> ReconcileResult:
+        with self._lock:  # one lock stands in for the one statement
+            now = self.now()
+            moved = dead = 0
+            for job_id, reason in dict(failures).items():
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.status == JobStatus.DISPATCHED
+                    and job.leader_epoch == epoch
+                ):
+                    dead += self._requeue(job, now, f"not published: {reason}")
+                    moved += 1
+            return ReconcileResult(requeued=moved - dead, dead=dead)
+
+    def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
+        found: dict[int, dict[JobStatus, int]] = {}
+        with self._lock:
+            for job in self._jobs.values():
+                if job.shard >= from_shard and job.status in UNFINISHED_STATUSES:
+                    per_status = found.setdefault(job.shard, {})
+                    per_status[job.status] = per_status.get(job.status, 0) + 1
+        return found
+
+    def _move_fenced(self, ids: Sequence[uuid.UUID], epoch: int, **changes: Any) -> int:
+        """Apply ``changes`` to the dispatched jobs among ``ids`` claimed by ``epoch``."""
+        with self._lock:
+            moved = 0
+            for job_id in set(ids):
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.status == JobStatus.DISPATCHED
+                    and job.leader_epoch == epoch
+                ):
+                    self._update(job, **changes)
+                    moved += 1
+            return moved
+
+    def reconcile(
+        self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
+    ) -> ReconcileResult:
+        """Stale dispatched jobs first (oldest dispatch first), then retrying
+        jobs whose retry is overdue (oldest due first), then running jobs past
+        their max_runtime, ``limit`` rows in all. ``timed_out`` counts the
+        latter; ``requeued`` and ``dead`` count every job moved."""
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            limit = max(limit, 0)
+            stale: list[Job] = []
+            retries: list[Job] = []
+            overran: list[Job] = []
+            for job in self._jobs.values():
+                if job.shard != shard:
+                    continue
+                if (
+                    job.status in (JobStatus.DISPATCHED, JobStatus.RETRYING)
+                    and job.dispatched_at is not None
+                ):
+                    timeout = (
+                        job.visibility_timeout
+                        if job.visibility_timeout is not None
+                        else default_visibility_timeout
+                    )
+                    if job.dispatched_at < now - dt.timedelta(seconds=timeout):
+                        # A retrying job's dispatched_at is when its retry is due.
+                        (stale if job.status == JobStatus.DISPATCHED else retries).append(job)
+                elif (
+                    job.status == JobStatus.RUNNING
+                    and job.max_runtime is not None
+                    and job.started_at is not None
+                    and job.started_at < now - dt.timedelta(seconds=job.max_runtime)
+                ):
+                    overran.append(job)
+            stale.sort(key=lambda job: (job.dispatched_at, str(job.id)))
+            retries.sort(key=lambda job: (job.dispatched_at, str(job.id)))
+            overran.sort(key=lambda job: (job.started_at, str(job.id)))
+            stale = stale[:limit]
+            retries = retries[: limit - len(stale)]
+            overran = overran[: limit - len(stale) - len(retries)]
+            dead = 0
+            for job in (*stale, *retries):
+                timeout = (
+                    job.visibility_timeout
+                    if job.visibility_timeout is not None
+                    else default_visibility_timeout
+                )
+                reason = (
+                    f"not started within {timeout:g}s of dispatch"
+                    if job.status == JobStatus.DISPATCHED
+                    else f"its retry did not start within {timeout:g}s of its ETA "
+                    f"{job.dispatched_at}"
+                )
+                dead += self._requeue(job, now, reason, started_at=None)
+            for job in overran:
+                dead += self._requeue(
+                    job,
+                    now,
+                    f"ran longer than max_runtime {job.max_runtime:g}s on "
+                    f"{job.worker or 'an unknown worker'}",
+                    started_at=None,
+                )
+            moved = len(stale) + len(retries) + len(overran)
+            return ReconcileResult(requeued=moved - dead, dead=dead, timed_out=len(overran))
+
+    def rescue(
+        self, *, shard: int, epoch: int, limit: int, worker_timeout: float
+    ) -> ReconcileResult:
+        with self._lock:
+            self._check_epoch(shard, epoch)
+            now = self.now()
+            silent_since = now - dt.timedelta(seconds=worker_timeout)
+            orphaned: list[tuple[Job, dt.datetime]] = []
+            for job in self._jobs.values():
+                if (
+                    job.shard != shard
+                    or job.status != JobStatus.RUNNING
+                    or job.started_at is None
+                    or job.started_at >= silent_since
+                ):
+                    continue
+                beats = [
+                    (started, seen)
+                    for (host, pid), (started, seen) in self._workers.items()
+                    if host == job.worker and (job.worker_pid is None or pid == job.worker_pid)
+                ]
+                alive = any(
+                    seen >= silent_since and started <= job.started_at for started, seen in beats
+                )
+                if job.worker is None:
+                    # Taken over by an older copy whose process never reported.
+                    orphaned.append((job, job.started_at))
+                elif beats and not alive:
+                    orphaned.append((job, max(seen for _, seen in beats)))
+            orphaned.sort(key=lambda pair: (pair[0].started_at, str(pair[0].id)))
+            dead = succeeded = 0
+            for job, seen in orphaned[: max(limit, 0)]:
+                reason = (
+                    f"its worker {job.worker} (pid "
+                    f"{'unknown' if job.worker_pid is None else job.worker_pid}) stopped "
+                    f"beating: last heartbeat at {seen}, worker timeout {worker_timeout:g}s; "
+                )
+                if self._completed(job):
+                    self._update(
+                        job,
+                        status=JobStatus.SUCCEEDED,
+                        finished_at=now,
+                        last_error=reason + "its ledger entry records it completed",
+                    )
+                    succeeded += 1
+                else:
+                    dead += self._requeue(job, now, reason + "requeued", started_at=None)
+            moved = len(orphaned[: max(limit, 0)])
+            return ReconcileResult(
+                requeued=moved - dead - succeeded,
+                dead=dead,
+                rescued=moved,
+                succeeded=succeeded,
+            )
+
+    def _completed(self, job: Job) -> bool:
+        """Whether the ledger records that this very job completed."""
+        if self._ledger is None:
+            return False
+        entry = self._ledger.get(job.key)
+        return entry is not None and entry.state == LedgerState.COMPLETED and entry.job_id == job.id
+
+    # -- housekeeping -------------------------------------------------------
+
+    def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
+        if batch < 1:
+            raise ValueError("prune batch must be at least 1")
+        total = 0
+        for _ in itertools.repeat(None) if max_batches is None else range(max_batches):
+            # One "transaction" per batch, as the real store deletes in batches.
+            with self._lock:
+                cutoff = self.now() - dt.timedelta(seconds=older_than)
+                victims = [
+                    job
+                    for job in self._jobs.values()
+                    if job.status in FINISHED_STATUSES
+                    and job.finished_at is not None
+                    and job.finished_at < cutoff
+                ][:batch]
+                for job in victims:
+                    del self._jobs[job.id]
+                    del self._by_key[job.key]
+            total += len(victims)
+            if len(victims) < batch:
+                break
+        return total
+
+
+def _due_order(job: Job) -> tuple[dt.datetime, str]:
+    return (job.due_at, str(job.id))

@@ -1,0 +1,550 @@
+"""The job rows on PostgreSQL: writing, reading, cancelling, and the leader's
+work on them (epochs, claims, requeues, the rescue, pruning).
+
+The per-batch statements (claims, requeues, the rescue) are named in
+:mod:`~celery_sched.store.postgres.statements`; the rest are built here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+from sqlalchemy import Row, Select, bindparam, delete, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Connection
+
+from celery_sched.errors import DuplicateJob, StaleEpoch, StoreError
+from celery_sched.interfaces import Jobs
+from celery_sched.models import (
+    Job,
+    JobStatus,
+    NewJob,
+    NewJobRow,
+    ReconcileResult,
+    id_of_key,
+    jobs_from_rows,
+)
+from celery_sched.settings import Settings
+from celery_sched.store.postgres.base import PostgresStoreBase
+from celery_sched.store.postgres.bulk import JobCopy
+from celery_sched.store.postgres.connection import RawStatement, raw_cursor
+from celery_sched.store.postgres.statements import (
+    PENDING,
+    Tables,
+    job_columns,
+    key_matches,
+    seconds_param,
+)
+from celery_sched.timeutil import ensure_utc, to_bucket
+
+logger = logging.getLogger(__name__)
+
+#: Rows per multi-row INSERT in insert_occurrences (keeps the statement under
+#: Postgres's 65535 bind parameter limit).
+OCCURRENCE_CHUNK = 1000
+
+_TEXT_OID = 25
+
+
+class JobQueries:
+    """The statements of the job rows that run per call, not per batch."""
+
+    def __init__(self, tables: Tables) -> None:
+        jobs = tables.jobs
+        leaders = tables.leaders
+        c = jobs.c
+        now = func.now()
+        columns = job_columns(jobs)
+
+        # -- leadership --
+        self.epoch_for_share = (
+            select(leaders.c.epoch)
+            .where(leaders.c.shard == bindparam("p_shard"))
+            .with_for_update(read=True)
+        )
+        self.current_epoch = select(leaders.c.epoch).where(leaders.c.shard == bindparam("p_shard"))
+        upsert = pg_insert(leaders).values(
+            shard=bindparam("p_shard"), epoch=1, holder=bindparam("p_holder"), acquired_at=now
+        )
+        self.acquire_epoch = upsert.on_conflict_do_update(
+            index_elements=[leaders.c.shard],
+            set_={
+                "epoch": leaders.c.epoch + 1,
+                "holder": upsert.excluded.holder,
+                "acquired_at": now,
+            },
+        ).returning(leaders.c.epoch)
+
+        # -- reading --
+        self.get_by_key = select(*columns).where(key_matches(jobs))
+        self.get_by_id = select(*columns).where(c.id == bindparam("p_id"))
+        self.counts_by_status = select(c.status, func.count()).group_by(c.status)
+        hour = func.date_trunc("hour", c.due_at, "UTC")
+        self.counts_by_hour = select(hour, func.count()).group_by(hour)
+        self.counts_by_hour_for_status = (
+            select(hour, func.count()).where(c.status == bindparam("p_status")).group_by(hour)
+        )
+
+        # -- writing --
+        self.insert = pg_insert(jobs).returning(*columns)
+        # No conflict target: a taken key is a conflict on the key index or,
+        # for a key that is an id, on the primary key.
+        self.insert_or_nothing = pg_insert(jobs).on_conflict_do_nothing().returning(*columns)
+        self.cancel = (
+            update(jobs)
+            .where(key_matches(jobs), c.status == PENDING)
+            .values(status="cancelled", finished_at=now)
+        )
+
+        # -- housekeeping --
+        prunable = (
+            select(c.id)
+            .where(c.finished_at < now - seconds_param("older_than"))
+            .limit(bindparam("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        self.prune = delete(jobs).where(c.id.in_(prunable.scalar_subquery()))
+
+
+class PostgresJobs(PostgresStoreBase, Jobs):
+    """:class:`~celery_sched.interfaces.Jobs` on PostgreSQL (psycopg 3)."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._jq = JobQueries(self.statements.tables)
+        self._copy = JobCopy(self.database)
+        self._claim_due = RawStatement(self.statements.claim_due)
+        self._claim_ids = RawStatement(self.statements.claim_ids)
+
+    def _fence(self, conn: Connection, shard: int, epoch: int) -> None:
+        # FOR SHARE on the shard's leaders row: acquire_epoch's UPDATE of that
+        # row must wait until this claim commits, and a claim that starts after
+        # the bump reads the new epoch and is refused. So once acquire_epoch
+        # returns, no transaction of an older epoch can still be moving rows.
+        current = conn.execute(self._jq.epoch_for_share, {"p_shard": shard}).scalar_one_or_none()
+        # No leaders row means no leader was ever elected: nobody may claim.
+        if current is None or current != epoch:
+            raise StaleEpoch(
+                f"epoch {epoch} is stale for shard {shard}: the current epoch is {current or 0}"
+            )
+
+    # -- writing jobs -------------------------------------------------------
+
+    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+        db = self.database
+        values = row_values(job)
+        attempts = 0
+
+        def write(conn: Connection) -> Job:
+            if if_exists == "return":
+                # A racing delete of the existing row could leave nothing to
+                # return; try the insert again in that case.
+                for _ in range(3):
+                    row = conn.execute(self._jq.insert_or_nothing, values).first()
+                    if row is None:
+                        row = conn.execute(self._jq.get_by_key, key_params(job.key)).first()
+                    if row is not None:
+                        return job_of(row)
+                raise StoreError(f"could not insert or read job {job.key!r}")
+            return job_of(conn.execute(self._jq.insert, values).one())
+
+        def in_transaction() -> Job:
+            with db.engine.begin() as conn:
+                return write(conn)
+
+        def attempt() -> Job:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return db.guard(in_transaction, "insert")
+            except DuplicateJob:
+                # A retry after a lost commit acknowledgement finds our own
+                # row (same id): that is success, not a duplicate.
+                if attempts > 1:
+                    existing = self.get(job.key)
+                    if existing is not None and existing.id == job.id:
+                        return existing
+                raise
+
+        return db.with_retries(attempt, "insert")
+
+    def insert_many(self, jobs: Iterable[NewJob]) -> int:
+        return self.insert_rows(map(_stored_row, jobs))
+
+    def insert_rows(self, rows: Iterable[NewJobRow]) -> int:
+        """:meth:`insert_many` for jobs given as :data:`~celery_sched.models.NEW_JOB_ROW`
+        tuples (already validated: ``JobBuilder.build_row`` output), written
+        to COPY unchanged. Same atomicity and errors as :meth:`insert_many`.
+        """
+        return self._copy.write(rows)
+
+    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+        if not jobs:
+            return []
+        rows = [row_values(job) for job in jobs]
+        table = self.statements.tables.jobs
+
+        def write(conn: Connection) -> list[uuid.UUID]:
+            written: list[uuid.UUID] = []
+            for start in range(0, len(rows), OCCURRENCE_CHUNK):
+                stmt = skip_taken_keys(
+                    pg_insert(table).values(rows[start : start + OCCURRENCE_CHUNK])
+                ).returning(table.c.id)
+                written.extend(conn.execute(stmt).scalars())
+            return written
+
+        return self.database.transaction("insert_occurrences", write)
+
+    # -- reading ------------------------------------------------------------
+
+    def get(self, key: str) -> Job | None:
+        params = key_params(key)
+        row = self.database.transaction(
+            "get", lambda conn: conn.execute(self._jq.get_by_key, params).first()
+        )
+        return None if row is None else job_of(row)
+
+    def get_by_id(self, job_id: uuid.UUID) -> Job | None:
+        row = self.database.transaction(
+            "get_by_id", lambda conn: conn.execute(self._jq.get_by_id, {"p_id": job_id}).first()
+        )
+        return None if row is None else job_of(row)
+
+    def counts_by_status(self) -> dict[JobStatus, int]:
+        rows = self.database.transaction(
+            "counts_by_status", lambda conn: conn.execute(self._jq.counts_by_status).all()
+        )
+        return {JobStatus(status): count for status, count in rows}
+
+    def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
+        def read(conn: Connection) -> list[tuple[dt.datetime, int]]:
+            if status is None:
+                result = conn.execute(self._jq.counts_by_hour)
+            else:
+                result = conn.execute(
+                    self._jq.counts_by_hour_for_status, {"p_status": status.value}
+                )
+            return [(row[0], row[1]) for row in result]
+
+        counts = self.database.transaction("counts_by_hour", read)
+        return {ensure_utc(hour): count for hour, count in counts}
+
+    # -- user transitions ---------------------------------------------------
+
+    def cancel(self, key: str) -> bool:
+        return self.database.rowcount("cancel", self._jq.cancel, key_params(key)) > 0
+
+    # -- leadership fencing -------------------------------------------------
+
+    def acquire_epoch(self, shard: int, holder: str) -> int:
+        epoch: int = self.database.transaction(
+            "acquire_epoch",
+            lambda conn: conn.execute(
+                self._jq.acquire_epoch, {"p_shard": shard, "p_holder": holder}
+            ).scalar_one(),
+        )
+        logger.info("shard %d: epoch %d acquired by %s", shard, epoch, holder)
+        return epoch
+
+    def current_epoch(self, shard: int) -> int:
+        value = self.database.transaction(
+            "current_epoch",
+            lambda conn: conn.execute(
+                self._jq.current_epoch, {"p_shard": shard}
+            ).scalar_one_or_none(),
+        )
+        return int(value or 0)
+
+    # -- dispatch transitions -----------------------------------------------
+
+    def due_soon(
+        self,
+        *,
+        shard: int,
+        within: float,
+        limit: int,
+        after: dt.datetime | None = None,
+    ) -> list[tuple[uuid.UUID, dt.datetime]]:
+        params: dict[str, Any] = {"p_shard": shard, "within": within, "p_limit": limit}
+        stmt: Select[Any] = self.statements.due_soon
+        if after is not None:
+            after = ensure_utc(after, name="after")
+            stmt = self.statements.due_soon_after
+            params.update(after=after, after_bucket=to_bucket(after))
+        rows = self.database.transaction("due_soon", lambda conn: conn.execute(stmt, params).all())
+        return [(job_id, ensure_utc(due_at)) for job_id, due_at in rows]
+
+    def claim_due(self, *, shard: int, epoch: int, limit: int) -> list[Job]:
+        if limit <= 0:
+            return []
+
+        def claim(conn: Connection) -> list[Job]:
+            self._fence(conn, shard, epoch)
+            params = {"p_shard": shard, "p_epoch": epoch, "p_limit": limit}
+            return _claimed_jobs(conn, self._claim_due, params)
+
+        return _sort_due(self.database.transaction("claim_due", claim))
+
+    def claim_ids(self, ids: Sequence[uuid.UUID], *, shard: int, epoch: int) -> list[Job]:
+        id_list = list(ids)
+
+        def claim(conn: Connection) -> list[Job]:
+            self._fence(conn, shard, epoch)
+            if not id_list:
+                return []
+            params = {"ids": id_list, "p_shard": shard, "p_epoch": epoch}
+            return _claimed_jobs(conn, self._claim_ids, params)
+
+        return _sort_due(self.database.transaction("claim_ids", claim))
+
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
+        if not ids:
+            return 0
+        params = {"ids": list(ids), "p_epoch": epoch}
+        return self.database.rowcount("release", self.statements.release, params)
+
+    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+        if not ids:
+            return 0
+        return self.database.rowcount(
+            "mark_expired",
+            self.statements.mark_expired,
+            {"ids": list(ids), "p_epoch": epoch, "reason": reason},
+        )
+
+    def fail_dispatch(
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> ReconcileResult:
+        if not failures:
+            return ReconcileResult()
+        # One reason per id: the last one given wins, as in the memory store.
+        reasons = dict(failures)
+        params = {"f_ids": list(reasons), "f_reasons": list(reasons.values()), "p_epoch": epoch}
+        statuses = self.database.transaction(
+            "fail_dispatch",
+            lambda conn: list(conn.execute(self.statements.fail_dispatch, params).scalars()),
+        )
+        dead = sum(1 for status in statuses if status == JobStatus.DEAD.value)
+        return ReconcileResult(requeued=len(statuses) - dead, dead=dead)
+
+    def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
+        rows = self.database.transaction(
+            "unfinished_by_shard",
+            lambda conn: conn.execute(
+                self.statements.unfinished_by_shard, {"from_shard": from_shard}
+            ).all(),
+        )
+        found: dict[int, dict[JobStatus, int]] = {}
+        for shard, status, count in rows:
+            found.setdefault(int(shard), {})[JobStatus(status)] = int(count)
+        return found
+
+    def reconcile(
+        self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
+    ) -> ReconcileResult:
+        """Requeue stale dispatched jobs, retrying jobs whose retry is
+        overdue, and running jobs past their max_runtime.
+
+        ``requeued`` and ``dead`` count every job moved; ``timed_out`` counts
+        those of them that were running past their ``max_runtime`` (the rest
+        never started). At most ``limit`` rows in all, stale dispatched jobs
+        first, then overdue retries.
+        """
+        timeout = default_visibility_timeout
+        s = self.statements
+
+        def run(conn: Connection) -> ReconcileResult:
+            self._fence(conn, shard, epoch)
+            params = {"p_shard": shard, "p_limit": limit, "default_timeout": timeout}
+            moved = list(conn.execute(s.requeue_dispatched, params).scalars())
+            if len(moved) < limit:
+                params["p_limit"] = limit - len(moved)
+                moved += conn.execute(s.requeue_retrying, params).scalars()
+            overran: list[str] = []
+            if len(moved) < limit:
+                params["p_limit"] = limit - len(moved)
+                overran = list(conn.execute(s.requeue_running, params).scalars())
+            dead = sum(1 for status in (*moved, *overran) if status == JobStatus.DEAD.value)
+            return ReconcileResult(
+                requeued=len(moved) + len(overran) - dead, dead=dead, timed_out=len(overran)
+            )
+
+        if limit <= 0:
+            # Still fenced: a stale leader must learn it is stale.
+            self.database.transaction("reconcile", lambda conn: self._fence(conn, shard, epoch))
+            return ReconcileResult()
+        result = self.database.transaction("reconcile", run)
+        if result.requeued or result.dead or result.timed_out:
+            logger.info(
+                "shard %d: reconciler requeued %d, marked %d dead, timed out %d",
+                shard,
+                result.requeued,
+                result.dead,
+                result.timed_out,
+            )
+        return result
+
+    def rescue(
+        self, *, shard: int, epoch: int, limit: int, worker_timeout: float
+    ) -> ReconcileResult:
+        if limit <= 0:
+            # Still fenced: a stale leader must learn it is stale.
+            self.database.transaction("rescue", lambda conn: self._fence(conn, shard, epoch))
+            return ReconcileResult()
+        params = {"p_shard": shard, "p_limit": limit, "p_worker_timeout": worker_timeout}
+
+        def run(conn: Connection) -> list[str]:
+            self._fence(conn, shard, epoch)
+            return list(conn.execute(self.statements.rescue, params).scalars())
+
+        statuses = self.database.transaction("rescue", run)
+        succeeded = statuses.count(JobStatus.SUCCEEDED.value)
+        dead = statuses.count(JobStatus.DEAD.value)
+        result = ReconcileResult(
+            requeued=len(statuses) - succeeded - dead,
+            dead=dead,
+            rescued=len(statuses),
+            succeeded=succeeded,
+        )
+        if statuses:
+            logger.warning(
+                "shard %d: rescued %d running jobs of stopped workers: %d requeued, %d dead, "
+                "%d succeeded by the ledger",
+                shard,
+                len(statuses),
+                result.requeued,
+                dead,
+                succeeded,
+            )
+        return result
+
+    # -- housekeeping -------------------------------------------------------
+
+    def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
+        if batch < 1:
+            raise ValueError("prune batch must be at least 1")
+        total = 0
+        for _ in itertools.repeat(None) if max_batches is None else range(max_batches):
+            # One transaction per batch keeps locks and WAL bursts small.
+            deleted = self.database.rowcount(
+                "prune", self._jq.prune, {"older_than": older_than, "batch": batch}
+            )
+            total += deleted
+            if deleted < batch:
+                break
+        if total:
+            logger.info("pruned %d finished jobs", total)
+        return total
+
+    # -- diagnostics --------------------------------------------------------
+
+    def explain_claim(self, *, shard: int = 0, limit: int = 1000) -> str:
+        """The query plan of :meth:`claim_due` (EXPLAIN, nothing is claimed)."""
+        compiled = self.statements.claim_due.compile(dialect=self.engine.dialect)
+        sql = "EXPLAIN " + str(compiled)
+        params = compiled.construct_params({"p_shard": shard, "p_epoch": 0, "p_limit": limit})
+        rows = self.database.transaction(
+            "explain_claim", lambda conn: conn.exec_driver_sql(sql, params).all()
+        )
+        return "\n".join(row[0] for row in rows)
+
+
+# -- job rows ------------------------------------------------------------------
+
+
+def _claimed_jobs(conn: Connection, stmt: RawStatement, params: dict[str, Any]) -> list[Job]:
+    """Run a claim on ``conn``'s raw cursor and load its rows straight into
+    :class:`Job` with psycopg's C row loading (SQLAlchemy's per-row work
+    costs several times the statement)."""
+    with raw_cursor(conn) as cur:
+        cur.execute(stmt.sql, stmt.params(**params))
+        names = [column.name for column in cur.description or ()]
+        rows = cur.fetchall()
+        options_at = names.index("options")
+        if cur.description[options_at].type_code != _TEXT_OID:  # type: ignore[index]
+            return jobs_from_rows(names, rows)
+        return jobs_from_rows(names, _decode_options(rows, options_at))
+
+
+def _decode_options(rows: list[tuple[Any, ...]], at: int) -> Iterator[list[Any]]:
+    """Rows with the JSON text at index ``at`` decoded, each distinct text once."""
+    decoded: dict[str, dict[str, Any]] = {}
+    flat: dict[str, bool] = {}
+    for row in rows:
+        values = list(row)
+        text = values[at]
+        if text == "{}":
+            values[at] = {}
+        else:
+            options = decoded.get(text)
+            if options is None:
+                options = decoded[text] = json.loads(text)
+                flat[text] = not any(isinstance(v, (dict, list)) for v in options.values())
+            # Every job gets its own mapping; a shallow copy is a copy only
+            # when no value is itself a container.
+            values[at] = dict(options) if flat[text] else json.loads(text)
+        yield values
+
+
+def _sort_due(jobs: list[Job]) -> list[Job]:
+    # RETURNING gives no order guarantee; callers publish oldest first.
+    jobs.sort(key=lambda job: (job.due_at, job.id))
+    return jobs
+
+
+def job_of(row: Row[Any]) -> Job:
+    """The :class:`Job` of a row read with :func:`~.statements.job_columns`."""
+    return Job(**row._mapping)
+
+
+def stored_key(job: NewJob) -> str | None:
+    """What ``jobs.key`` holds for ``job``: None when the key is its id's text
+    (``NewJob`` guarantees that a key which is a UUID's text is its id)."""
+    return None if id_of_key(job.key) is not None else job.key
+
+
+def skip_taken_keys(stmt: Any) -> Any:
+    """``stmt`` (an INSERT into jobs) skipping rows whose caller-chosen key is
+    taken: the conflict target is the partial unique index ``jobs_key_key``."""
+    key = stmt.table.c.key
+    return stmt.on_conflict_do_nothing(index_elements=[key], index_where=key.is_not(None))
+
+
+def _stored_row(job: NewJob) -> NewJobRow:
+    row = job.as_row()
+    key = stored_key(job)
+    return row if key is not None else (row[0], None, *row[2:])
+
+
+def key_params(key: str) -> dict[str, Any]:
+    """The parameters of :func:`~.statements.key_matches` for ``key``."""
+    return {"p_key": key, "p_key_id": id_of_key(key)}
+
+
+def row_values(job: NewJob) -> dict[str, Any]:
+    """The column values of ``job``'s new row."""
+    return {
+        "id": job.id,
+        "key": stored_key(job),
+        "task": job.task,
+        "body": job.body,
+        "content_type": job.content_type,
+        "content_encoding": job.content_encoding,
+        "argsrepr": job.argsrepr,
+        "kwargsrepr": job.kwargsrepr,
+        "options": dict(job.options),
+        "due_at": job.due_at,
+        "due_bucket": job.due_bucket,
+        "expires_at": job.expires_at,
+        "max_attempts": job.max_attempts,
+        "shard": job.shard,
+        "schedule_id": job.schedule_id,
+        "visibility_timeout": job.visibility_timeout,
+        "max_runtime": job.max_runtime,
+    }

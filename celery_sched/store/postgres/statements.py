@@ -1,0 +1,1033 @@
+"""The statements people run ``EXPLAIN`` on, in one place, each named.
+
+Claims, requeues (reconciler, rescuer, failed publishes, lost processes),
+workers' reports and the idempotency ledger's take and completion: the
+statements that run per job or per batch. Each is a function of the schema's
+tables whose docstring says what it does; :class:`Statements` builds them
+all once per schema (the schema name is substituted into the table names by
+:func:`~celery_sched.store.schema.build_metadata`). The rest (reads, counts,
+a user's changes, housekeeping, schedules) live beside the methods that run
+them. The module is long on purpose: it is the one place to read them.
+
+Why SQLAlchemy Core in one module rather than named blocks in a ``.sql``
+file: the statements share pieces that must not drift apart. Every requeue
+builds its values with :func:`requeue_values` (one rule for giving up at
+``max_attempts``), the claims share the returned columns in ``Job`` field
+order, and the ledger's take and the delivery check share the delivery
+fence; a ``.sql`` file would spell each of those out again in every block.
+Core also renders the bind casts from the table types and keeps the status
+literals the partial indexes need in one spelling; and moving the statements
+here left the SQL PostgreSQL receives unchanged, byte for byte. To read them as the SQL
+PostgreSQL receives, ready to ``EXPLAIN`` (parameters as psycopg's
+``%(name)s``, defaults listed below each)::
+
+    python -m celery_sched.store.postgres [--schema NAME] [STATEMENT ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    Integer,
+    Interval,
+    Select,
+    Table,
+    Text,
+    Update,
+    all_,
+    and_,
+    any_,
+    bindparam,
+    case,
+    cast,
+    exists,
+    extract,
+    func,
+    literal,
+    literal_column,
+    null,
+    or_,
+    select,
+    union_all,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.elements import ColumnElement
+
+from celery_sched.models import (
+    ADOPTABLE_STATUSES,
+    FENCED_STATUSES,
+    FINISHED_STATUSES,
+    JOB_FIELDS,
+    UNFINISHED_STATUSES,
+    JobStatus,
+)
+from celery_sched.store.postgres.connection import DIALECT
+from celery_sched.store.schema import build_metadata
+
+# Status literals are rendered into the SQL, not bound: a partial index
+# (WHERE status = 'pending') is only usable when the planner can prove the
+# predicate, which it cannot for a parameter in a generic prepared plan.
+PENDING: ColumnElement[str] = literal_column("'pending'")
+DISPATCHED: ColumnElement[str] = literal_column("'dispatched'")
+RUNNING: ColumnElement[str] = literal_column("'running'")
+RETRYING: ColumnElement[str] = literal_column("'retrying'")
+# The ledger's states, rendered too: fewer parameters per hot statement.
+LEDGER_RUNNING: ColumnElement[str] = literal_column("'running'")
+LEDGER_COMPLETED: ColumnElement[str] = literal_column("'completed'")
+_ONE_SECOND = literal_column("interval '1 second'", type_=Interval)
+#: The physical address of a row version (claims lock and update by it).
+_CTID: ColumnElement[Any] = literal_column("ctid")
+_DOUBLE = postgresql.DOUBLE_PRECISION
+_FINISHED = [status.value for status in FINISHED_STATUSES]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tables:
+    """The tables of one schema."""
+
+    jobs: Table
+    leaders: Table
+    workers: Table
+    ledger: Table
+    schedules: Table
+
+    @classmethod
+    def of(cls, schema: str) -> Tables:
+        tables = build_metadata(schema).tables
+        return cls(
+            **{field.name: tables[f"{schema}.{field.name}"] for field in dataclasses.fields(cls)}
+        )
+
+
+# -- the pieces ----------------------------------------------------------------
+
+
+def seconds(value: ColumnElement[Any]) -> ColumnElement[Any]:
+    """``value`` seconds as an interval."""
+    return value * _ONE_SECOND
+
+
+def seconds_param(name: str) -> ColumnElement[Any]:
+    """The interval of ``name`` seconds, a double precision parameter."""
+    return seconds(bindparam(name, type_=_DOUBLE))
+
+
+def text_array(*values: str) -> Any:
+    """``ARRAY[...]`` of text values (for ``= any`` / ``!= all`` tests)."""
+    return postgresql.array([literal(value, type_=Text()) for value in values])
+
+
+def _minute_of(instant: ColumnElement[Any]) -> ColumnElement[int]:
+    """The due bucket (whole minutes since the epoch) of a timestamptz expression."""
+    return cast(func.floor(extract("epoch", instant) / 60), Integer)
+
+
+def job_key(jobs: Table) -> ColumnElement[str]:
+    """A job's key as every read presents it.
+
+    A job whose key is its id stores NULL in ``key`` (0003); reads present
+    the id's text instead.
+    """
+    return func.coalesce(jobs.c.key, cast(jobs.c.id, Text)).label("key")
+
+
+def job_columns(jobs: Table) -> list[Any]:
+    """The columns of a :class:`~celery_sched.models.Job`, ``key`` as :func:`job_key`."""
+    return [job_key(jobs) if column.name == "key" else column for column in jobs.c]
+
+
+def key_matches(jobs: Table) -> ColumnElement[bool]:
+    """The row of key ``p_key``: a row with that text key or, when the key is
+    a UUID in canonical text (``p_key_id``, else NULL), the row with that id
+    and no text key of its own."""
+    c = jobs.c
+    return or_(
+        c.key == bindparam("p_key"),
+        and_(c.key.is_(None), c.id == bindparam("p_key_id", type_=c.id.type)),
+    )
+
+
+def requeue_values(jobs: Table, why: str, *args: Any) -> dict[str, Any]:
+    """The values of every requeue (reconciler, failed publish, lost
+    process): pending again with ``attempt + 1``, or ``dead`` once that
+    reaches ``max_attempts``; ``last_error`` is ``why`` (a ``format()``
+    string over ``args``) with the attempt count after it."""
+    c = jobs.c
+    now = func.now()
+    gives_up = c.attempt + 1 >= c.max_attempts
+    return {
+        "status": case((gives_up, "dead"), else_="pending"),
+        "attempt": c.attempt + 1,
+        "dispatched_at": None,
+        "started_at": None,
+        "finished_at": case((gives_up, now), else_=None),
+        "last_error": func.format(
+            f"{why} (attempt %s of %s)%s",
+            *args,
+            c.attempt + 1,
+            c.max_attempts,
+            case((gives_up, "; giving up"), else_=""),
+        ),
+    }
+
+
+def _claim(jobs: Table, chosen: Any, *recheck: ColumnElement[bool]) -> Update:
+    c = jobs.c
+    # The subquery locked these exact row versions (FOR UPDATE), so
+    # nobody can change them before this statement does: joining on the
+    # physical row address (a TID scan) is safe and saves a primary key
+    # probe per row. Should a row have been updated between the
+    # statement's snapshot and its lock, the TID scan does not see the
+    # new version and the row is simply not claimed this time.
+    table = DIALECT.identifier_preparer.format_table(jobs)
+    # Options come back as text: most claimed jobs share a handful of
+    # option sets, which the store decodes once per batch instead of
+    # running the JSON loader per row.
+    # In Job field order, so rows load without reordering.
+    returned = [
+        cast(c.options, Text).label("options")
+        if name == "options"
+        else job_key(jobs)
+        if name == "key"
+        else c[name]
+        for name in JOB_FIELDS
+    ]
+    return (
+        update(jobs)
+        .where(literal_column(f"{table}.ctid") == chosen.c.ctid, *recheck)
+        .values(status="dispatched", dispatched_at=func.now(), leader_epoch=bindparam("p_epoch"))
+        .returning(*returned)
+    )
+
+
+def _ids(jobs: Table, name: str) -> Any:
+    return bindparam(name, type_=postgresql.ARRAY(jobs.c.id.type))
+
+
+# -- claims (the hot path) -------------------------------------------------------
+
+
+def claim_due(t: Tables) -> Update:
+    """Claim up to ``p_limit`` due pending jobs of shard ``p_shard`` for epoch
+    ``p_epoch``, oldest due first, skipping rows another claimer holds."""
+    c = t.jobs.c
+    now = func.now()
+    # The scan walks the partial pending index of one shard in due order
+    # and stops at the current minute, so future rows are never read.
+    due_ids = (
+        select(_CTID)
+        .where(
+            c.status == PENDING,
+            c.shard == bindparam("p_shard"),
+            c.due_bucket <= _minute_of(now),
+            c.due_at <= now,
+        )
+        .order_by(c.due_bucket, c.due_at)
+        .limit(bindparam("p_limit"))
+        .with_for_update(skip_locked=True)
+        .subquery("due")
+    )
+    return _claim(t.jobs, due_ids)
+
+
+def claim_ids(t: Tables) -> Update:
+    """Claim the jobs ``ids`` of shard ``p_shard`` that are pending and due,
+    for epoch ``p_epoch`` (the staged ids a leader pops)."""
+    c = t.jobs.c
+    now = func.now()
+    # The ids are found by primary key only: with the status test in
+    # this subquery the planner may pick the partial pending index
+    # instead (it does on a freshly loaded table with no statistics) and
+    # read the whole backlog per batch. The outer UPDATE re-checks
+    # status and due-ness on the locked row.
+    given_ids = (
+        select(_CTID)
+        .where(c.id == any_(_ids(t.jobs, "ids")), c.shard == bindparam("p_shard"))
+        .with_for_update(skip_locked=True)
+        .subquery("given")
+    )
+    return _claim(t.jobs, given_ids, c.status == PENDING, c.due_at <= now)
+
+
+def _due_soon_tests(t: Tables) -> tuple[ColumnElement[bool], ...]:
+    c = t.jobs.c
+    horizon = func.now() + seconds_param("within")
+    return (
+        c.status == PENDING,
+        c.shard == bindparam("p_shard"),
+        c.due_bucket <= _minute_of(horizon),
+        c.due_at <= horizon,
+    )
+
+
+def due_soon(t: Tables) -> Select[Any]:
+    """``(id, due_at)`` of the pending jobs of ``p_shard`` due within
+    ``within`` seconds (overdue ones included), in due order, at most
+    ``p_limit`` (what staging copies to Redis)."""
+    c = t.jobs.c
+    return (
+        select(c.id, c.due_at)
+        .where(*_due_soon_tests(t))
+        .order_by(c.due_bucket, c.due_at)
+        .limit(bindparam("p_limit"))
+    )
+
+
+def due_soon_after(t: Tables) -> Select[Any]:
+    """:func:`due_soon`, only those due after ``after`` (incremental staging)."""
+    c = t.jobs.c
+    # The lower bucket bound lets the index scan start at ``after`` instead
+    # of at the oldest pending row.
+    after = bindparam("after", type_=c.due_at.type)
+    return (
+        select(c.id, c.due_at)
+        .where(*_due_soon_tests(t), c.due_bucket >= bindparam("after_bucket"), c.due_at > after)
+        .order_by(c.due_bucket, c.due_at)
+        .limit(bindparam("p_limit"))
+    )
+
+
+# -- fenced dispatch transitions ---------------------------------------------------
+
+
+def _fenced(t: Tables) -> tuple[ColumnElement[bool], ...]:
+    c = t.jobs.c
+    return (
+        c.id == any_(_ids(t.jobs, "ids")),
+        c.status == DISPATCHED,
+        c.leader_epoch == bindparam("p_epoch"),
+    )
+
+
+def release(t: Tables) -> Update:
+    """dispatched -> pending for the jobs ``ids`` epoch ``p_epoch`` claimed
+    but could not publish."""
+    return update(t.jobs).where(*_fenced(t)).values(status="pending", dispatched_at=None)
+
+
+def mark_expired(t: Tables) -> Update:
+    """dispatched -> expired for the jobs ``ids`` of epoch ``p_epoch`` whose
+    ``expires_at`` has passed, with ``reason``."""
+    c = t.jobs.c
+    now = func.now()
+    # Expiry re-checked by the database's clock: a leader whose clock ran
+    # ahead (a wall-clock step) must not expire a job early.
+    return (
+        update(t.jobs)
+        .where(*_fenced(t), c.expires_at <= now)
+        .values(status="expired", finished_at=now, last_error=bindparam("reason"))
+    )
+
+
+def fail_dispatch(t: Tables) -> Update:
+    """Requeue the jobs ``f_ids`` of epoch ``p_epoch`` whose own message
+    could not be published, each with its reason in ``f_reasons``."""
+    c = t.jobs.c
+    # One attempt used, as the reconciler counts one (the same rule for
+    # giving up). The reasons come as an array parallel to the ids,
+    # unnested in lockstep.
+    failed = (
+        func.unnest(
+            _ids(t.jobs, "f_ids"),
+            bindparam("f_reasons", type_=postgresql.ARRAY(Text)),
+        )
+        .table_valued("id", "reason")
+        .render_derived(name="failed", with_types=False)
+    )
+    return (
+        update(t.jobs)
+        .where(
+            c.id == failed.c.id,
+            c.status == DISPATCHED,
+            c.leader_epoch == bindparam("p_epoch"),
+        )
+        .values(**requeue_values(t.jobs, "not published: %s", failed.c.reason))
+        .returning(c.status)
+    )
+
+
+def unfinished_by_shard(t: Tables) -> Any:
+    """Per shard ``>= from_shard`` and unfinished status, the count of jobs."""
+    c = t.jobs.c
+    # Rows left in shards a lowered shard count no longer leads. One
+    # branch per status, the literal status letting each use its partial
+    # index (pending's leads with shard; the others are small).
+    from_shard = bindparam("from_shard", type_=c.shard.type)
+    return union_all(
+        *(
+            select(c.shard, literal(status, type_=Text()), func.count())
+            .where(c.status == literal_column(f"'{status}'"), c.shard >= from_shard)
+            .group_by(c.shard)
+            for status in sorted(UNFINISHED_STATUSES)
+        )
+    )
+
+
+# -- the reconciler and the rescuer ----------------------------------------------
+
+
+def _visibility_timeout(t: Tables) -> ColumnElement[Any]:
+    return func.coalesce(t.jobs.c.visibility_timeout, bindparam("default_timeout", type_=_DOUBLE))
+
+
+def _oldest(
+    t: Tables, name: str, status: ColumnElement[str], *tests: ColumnElement[bool], by: Any
+) -> Any:
+    """Up to ``p_limit`` ids of shard ``p_shard``'s jobs in ``status`` that
+    pass ``tests``, oldest ``by`` first, locked (rows locked elsewhere are
+    skipped): the subquery ``name`` of a requeue."""
+    c = t.jobs.c
+    return (
+        select(c.id)
+        .where(c.status == status, c.shard == bindparam("p_shard"), *tests)
+        .order_by(by)
+        .limit(bindparam("p_limit"))
+        .with_for_update(skip_locked=True)
+        .subquery(name)
+    )
+
+
+def _requeue(t: Tables, chosen: Any, why: str, *args: Any) -> Update:
+    """Requeue the jobs ``chosen`` (see :func:`requeue_values`), returning their new status."""
+    c = t.jobs.c
+    return (
+        update(t.jobs)
+        .where(c.id == chosen.c.id)
+        .values(**requeue_values(t.jobs, why, *args))
+        .returning(c.status)
+    )
+
+
+def requeue_dispatched(t: Tables) -> Update:
+    """Requeue up to ``p_limit`` jobs of ``p_shard`` dispatched longer ago
+    than their visibility timeout (``default_timeout`` when unset)."""
+    c = t.jobs.c
+    timeout = _visibility_timeout(t)
+    stale = _oldest(
+        t,
+        "stale",
+        DISPATCHED,
+        c.dispatched_at < func.now() - seconds(timeout),
+        by=c.dispatched_at,
+    )
+    return _requeue(t, stale, "not started within %ss of dispatch", timeout)
+
+
+def requeue_retrying(t: Tables) -> Update:
+    """Requeue up to ``p_limit`` retrying jobs of ``p_shard`` whose retry
+    was due longer ago than their visibility timeout."""
+    c = t.jobs.c
+    now = func.now()
+    timeout = _visibility_timeout(t)
+    # A retrying job's dispatched_at is when its retry message is due
+    # (set by the retrying report): one that has not started a
+    # visibility timeout later was lost with the broker, and nothing
+    # else would ever send it again. A late retry message carries the
+    # older attempt and is fenced on the worker.
+    stale = _oldest(
+        t,
+        "stale_retry",
+        RETRYING,
+        # Implied by the next test (timeouts are positive); bounds the scan
+        # of jobs_retrying_idx to retries already due.
+        c.dispatched_at < now,
+        c.dispatched_at < now - seconds(timeout),
+        by=c.dispatched_at,
+    )
+    return _requeue(
+        t, stale, "its retry did not start within %ss of its ETA %s", timeout, c.dispatched_at
+    )
+
+
+def requeue_running(t: Tables) -> Update:
+    """Requeue up to ``p_limit`` running jobs of ``p_shard`` past their
+    ``max_runtime``."""
+    c = t.jobs.c
+    overrunning = _oldest(
+        t,
+        "overrunning",
+        RUNNING,
+        c.max_runtime.is_not(None),
+        c.started_at < func.now() - seconds(c.max_runtime),
+        by=c.started_at,
+    )
+    return _requeue(
+        t,
+        overrunning,
+        "ran longer than max_runtime %ss on %s",
+        c.max_runtime,
+        func.coalesce(c.worker, "an unknown worker"),
+    )
+
+
+def rescue(t: Tables) -> Update:
+    """Rescue up to ``p_limit`` running jobs of ``p_shard`` whose worker
+    process stopped beating ``p_worker_timeout`` seconds ago: succeeded when
+    the ledger records the job completed, requeued otherwise."""
+    c = t.jobs.c
+    w = t.workers.c
+    now = func.now()
+    gives_up = c.attempt + 1 >= c.max_attempts  # the rescuer gives up as a requeue does
+    silent_since = now - seconds_param("p_worker_timeout")
+    # A job started without a pid (an older worker) matches every
+    # process of its host.
+    its_process = and_(w.hostname == c.worker, or_(c.worker_pid.is_(None), w.pid == c.worker_pid))
+    # The ledger entry of a celery_sched.Task job records the job it
+    # completed for; its key is the job key by default. A primary key
+    # probe per rescued row.
+    completed = exists().where(
+        t.ledger.c.key == func.coalesce(c.key, cast(c.id, Text)),
+        t.ledger.c.job_id == c.id,
+        t.ledger.c.state == literal_column("'completed'"),
+    )
+    orphaned = (
+        select(
+            c.id,
+            completed.label("done"),
+            select(func.max(w.seen_at)).where(its_process).scalar_subquery().label("seen"),
+        )
+        .where(
+            c.status == RUNNING,
+            c.shard == bindparam("p_shard"),
+            # A job just started: its process may not have beaten yet.
+            c.started_at < silent_since,
+            or_(
+                # Taken over by an older copy (the delivery fence's
+                # adoption) whose process never reported its start.
+                c.worker.is_(None),
+                and_(
+                    # No heartbeat row at all: a worker that does not
+                    # beat (an older version); only max_runtime applies.
+                    exists().where(its_process),
+                    # A process that started after the job did is another
+                    # one that reuses the pid (a restarted container).
+                    ~exists().where(
+                        its_process, w.seen_at >= silent_since, w.started_at <= c.started_at
+                    ),
+                ),
+            ),
+        )
+        .order_by(c.started_at)
+        .limit(bindparam("p_limit"))
+        .with_for_update(of=t.jobs, skip_locked=True)
+        .subquery("orphaned")
+    )
+    done = orphaned.c.done
+    return (
+        update(t.jobs)
+        .where(c.id == orphaned.c.id)
+        .values(
+            status=case((done, "succeeded"), (gives_up, "dead"), else_="pending"),
+            attempt=case((done, c.attempt), else_=c.attempt + 1),
+            dispatched_at=case((done, c.dispatched_at), else_=None),
+            started_at=case((done, c.started_at), else_=None),
+            finished_at=case((done, now), (gives_up, now), else_=None),
+            last_error=func.format(
+                "its worker %s (pid %s) stopped beating: last heartbeat at %s, "
+                "worker timeout %ss; %s",
+                c.worker,
+                func.coalesce(cast(c.worker_pid, Text), "unknown"),
+                orphaned.c.seen,
+                bindparam("p_worker_timeout", type_=_DOUBLE),
+                case(
+                    (done, "its ledger entry records it completed"),
+                    else_=func.format(
+                        "requeued (attempt %s of %s)%s",
+                        c.attempt + 1,
+                        c.max_attempts,
+                        case((gives_up, "; giving up"), else_=""),
+                    ),
+                ),
+            ),
+        )
+        .returning(c.status)
+    )
+
+
+# -- workers' reports ----------------------------------------------------------------
+
+
+def heartbeat(t: Tables) -> Any:
+    """Worker process ``(p_hostname, p_pid)`` is alive (``p_first``: its first beat)."""
+    w = t.workers.c
+    now = func.now()
+    # A process's first beat (re)sets started_at: a reused pid is a new
+    # process, and jobs started before it are not running in it.
+    return (
+        pg_insert(t.workers)
+        .values(hostname=bindparam("p_hostname"), pid=bindparam("p_pid"))
+        .on_conflict_do_update(
+            index_elements=[w.hostname, w.pid],
+            set_={
+                "seen_at": now,
+                "started_at": case((bindparam("p_first", type_=Boolean), now), else_=w.started_at),
+            },
+        )
+    )
+
+
+def _adopted(jobs: Table) -> ColumnElement[bool]:
+    # A running row without a worker was taken over by an older copy of
+    # its message (the delivery fence's adoption, which runs before the
+    # pool picks a process): its first start report names the process.
+    return and_(jobs.c.status == "running", jobs.c.worker.is_(None))
+
+
+def mark_running(t: Tables) -> Update:
+    """Job ``p_id`` started on worker ``p_worker`` (process ``p_worker_pid``)."""
+    c = t.jobs.c
+    adopted = _adopted(t.jobs)
+    return (
+        update(t.jobs)
+        .where(
+            c.id == bindparam("p_id"),
+            or_(c.status.in_(["dispatched", "retrying", "pending"]), adopted),
+        )
+        .values(
+            status="running",
+            started_at=case((adopted, c.started_at), else_=func.now()),
+            worker=bindparam("p_worker"),
+            worker_pid=bindparam("p_worker_pid", type_=Integer),
+        )
+    )
+
+
+def mark_finished(t: Tables) -> Update:
+    """Job ``p_id`` finished with status ``p_status`` and ``error``."""
+    c = t.jobs.c
+    return (
+        update(t.jobs)
+        .where(c.id == bindparam("p_id"), c.status.not_in(_FINISHED))
+        .values(
+            status=bindparam("p_status"),
+            finished_at=func.now(),
+            last_error=bindparam("error", type_=c.last_error.type),
+        )
+    )
+
+
+def mark_retrying(t: Tables) -> Update:
+    """Running job ``p_id`` retries in ``p_retry_in`` seconds, after ``error``."""
+    c = t.jobs.c
+    # A retrying job's dispatched_at is when its retry is due (the
+    # reconciler requeues it once that is a visibility timeout past).
+    return (
+        update(t.jobs)
+        .where(c.id == bindparam("p_id"), c.status == "running")
+        .values(
+            status="retrying",
+            dispatched_at=func.now()
+            + seconds(func.coalesce(bindparam("p_retry_in", type_=_DOUBLE), 0.0)),
+            last_error=bindparam("error", type_=c.last_error.type),
+        )
+    )
+
+
+# The same transitions for batched worker reports: one statement per
+# kind, its rows passed as parallel arrays (one parameter each, so a
+# batch costs the client a few list appends per report, not a
+# statement). Each array holds an id at most once.
+
+
+def _reported(jobs: Table, **columns: str) -> Any:
+    """``unnest(:p_ids, :p_x, ...) AS reported(id, x, ...)``: one row per report."""
+    texts = postgresql.ARRAY(Text)
+    arrays = [bindparam(param, type_=texts) for param in columns.values()]
+    return (
+        func.unnest(_ids(jobs, "p_ids"), *arrays)
+        .table_valued("id", *columns)
+        .render_derived(name="reported", with_types=False)
+    )
+
+
+def batch_running(t: Tables) -> Update:
+    """Jobs started: ``p_ids`` with ``p_workers``, ``p_pids`` and ``p_attempts``."""
+    c = t.jobs.c
+    adopted = _adopted(t.jobs)
+    running = _reported(t.jobs, worker="p_workers", worker_pid="p_pids", attempt="p_attempts")
+    return (
+        update(t.jobs)
+        .where(
+            c.id == running.c.id,
+            or_(c.status == any_(text_array("dispatched", "retrying", "pending")), adopted),
+            # A delivery of an older attempt (the job was requeued since)
+            # must not move the row: the new attempt could not be claimed.
+            or_(running.c.attempt.is_(None), c.attempt <= cast(running.c.attempt, Integer)),
+        )
+        .values(
+            status="running",
+            started_at=case((adopted, c.started_at), else_=func.now()),
+            worker=running.c.worker,
+            worker_pid=cast(running.c.worker_pid, Integer),
+        )
+    )
+
+
+def batch_retrying(t: Tables) -> Update:
+    """Jobs retrying: ``p_ids`` with ``p_errors`` and ``p_retry_ins``."""
+    c = t.jobs.c
+    retrying = _reported(t.jobs, error="p_errors", retry_in="p_retry_ins")
+    retry_in = cast(retrying.c.retry_in, _DOUBLE)
+    return (
+        update(t.jobs)
+        .where(c.id == retrying.c.id, c.status == "running")
+        .values(
+            status="retrying",
+            dispatched_at=func.now() + seconds(func.coalesce(retry_in, 0.0)),
+            last_error=retrying.c.error,
+        )
+    )
+
+
+def batch_finished(t: Tables) -> Update:
+    """Jobs finished: ``p_ids`` with ``p_statuses`` and ``p_errors``."""
+    c = t.jobs.c
+    ended = _reported(t.jobs, status="p_statuses", error="p_errors")
+    return (
+        update(t.jobs)
+        .where(c.id == ended.c.id, c.status != all_(text_array(*sorted(_FINISHED))))
+        .values(status=ended.c.status, finished_at=func.now(), last_error=ended.c.error)
+    )
+
+
+def batch_ran(t: Tables) -> Update:
+    """Jobs started and finished in one batch: ``p_ids`` with ``p_workers``,
+    ``p_pids``, ``p_statuses`` and ``p_errors``; returns per row whether its
+    start applied too."""
+    c = t.jobs.c
+    now = func.now()
+    adopted = _adopted(t.jobs)
+    # A job whose start and finish arrive in one batch (a short task)
+    # takes both transitions in one row update instead of two: the same
+    # end state as running then finished, half the row versions.
+    ran = _reported(
+        t.jobs, worker="p_workers", worker_pid="p_pids", status="p_statuses", error="p_errors"
+    )
+    was_running = c.status == "running"
+    return (
+        update(t.jobs)
+        .where(c.id == ran.c.id, c.status != all_(text_array(*sorted(_FINISHED))))
+        .values(
+            status=ran.c.status,
+            started_at=case((was_running, c.started_at), else_=now),
+            worker=case((was_running & ~adopted, c.worker), else_=ran.c.worker),
+            worker_pid=case(
+                (was_running & ~adopted, c.worker_pid),
+                else_=cast(ran.c.worker_pid, Integer),
+            ),
+            finished_at=now,
+            last_error=ran.c.error,
+        )
+        # Whether the start applied too: it sets started_at to this
+        # transaction's now(), as finished_at; a job already running
+        # keeps an earlier started_at.
+        .returning(c.started_at == c.finished_at)
+    )
+
+
+def batch_lost(t: Tables) -> Update:
+    """Jobs whose worker process was lost: ``p_ids`` with ``p_errors`` and
+    ``p_attempts``, requeued at once unless the job has moved on (a later
+    attempt)."""
+    c = t.jobs.c
+    lost = _reported(t.jobs, error="p_errors", attempt="p_attempts")
+    return (
+        update(t.jobs)
+        .where(
+            c.id == lost.c.id,
+            c.status == any_(text_array("dispatched", "running")),
+            or_(lost.c.attempt.is_(None), c.attempt == cast(lost.c.attempt, Integer)),
+        )
+        .values(**requeue_values(t.jobs, "%s", lost.c.error))
+    )
+
+
+# -- the idempotency ledger's take and completion ---------------------------------
+
+
+def _sql(text: str) -> ColumnElement[Any]:
+    return literal_column(text)
+
+
+def _literals(statuses: Iterable[JobStatus]) -> list[ColumnElement[Any]]:
+    # Rendered into the SQL, so the planner sees the values.
+    return [literal_column(f"'{status.value}'") for status in sorted(statuses)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _DeliveryFence:
+    """The delivery fence (models.delivery_fence, in SQL) as CTEs."""
+
+    job: Any
+    adopted: Any
+    fenced: ColumnElement[bool]
+    verdict: tuple[Any, ...]
+
+
+def _delivery_fence(t: Tables) -> _DeliveryFence:
+    jobs = t.jobs
+    # The job row by primary key, read in the same statement as the take.
+    # No job row (pruned, or not a celery_sched message) fences nothing.
+    job_id = bindparam("p_job_id", type_=jobs.c.id.type)
+    delivered = bindparam("p_attempt", type_=Integer)
+    job = select(jobs.c.status, jobs.c.attempt).where(jobs.c.id == job_id).cte("job")
+    # The adoption (see Ledger.check_delivery): a copy of an older attempt
+    # takes over a job nobody has started since its requeue. Only while
+    # the row still has the attempt this statement read: a racing older
+    # copy re-checks the updated row (EvalPlanQual) and adopts nothing.
+    adopted = (
+        update(jobs)
+        .where(
+            jobs.c.id == job_id,
+            jobs.c.status.in_(_literals(ADOPTABLE_STATUSES)),
+            jobs.c.attempt > delivered,
+            jobs.c.attempt == select(job.c.attempt).scalar_subquery(),
+        )
+        # Running from now, without a worker until this copy's process
+        # reports its start: later copies find it started and are fenced.
+        .values(
+            status=_sql("'running'"),
+            attempt=jobs.c.attempt + 1,
+            started_at=func.now(),
+            worker=null(),
+            worker_pid=null(),
+        )
+        .returning(jobs.c.attempt)
+        .cte("adopted")
+    )
+    fenced = exists().where(
+        or_(
+            job.c.status.in_(_literals(FENCED_STATUSES)),
+            and_(job.c.attempt > delivered, ~exists(select(adopted.c.attempt))),
+        )
+    )
+    # One row always: the job row's status and attempt, from which a fenced
+    # delivery's reason is told, and the attempt adopted.
+    verdict = (
+        select(job.c.status).scalar_subquery().label("job_status"),
+        select(job.c.attempt).scalar_subquery().label("job_attempt"),
+        select(adopted.c.attempt).scalar_subquery().label("adopted"),
+    )
+    return _DeliveryFence(job=job, adopted=adopted, fenced=fenced, verdict=verdict)
+
+
+def ledger_acquire(t: Tables) -> Select[Any]:
+    """Take key ``p_key`` for ``p_owner`` under a lease of ``p_lease``
+    seconds, unless the delivery of job ``p_job_id`` at ``p_attempt`` is
+    fenced; one row: the attempts if taken, and the fence's verdict."""
+    ledger = t.ledger
+    c = ledger.c
+    now = func.now()
+    # The take commits without waiting for its WAL flush (synchronous_commit
+    # off for this statement's own transaction only): other sessions see
+    # it at once, so exactly one taker wins; only a PostgreSQL crash in
+    # the next fraction of a second could forget it. Completions, which
+    # the guarantee rests on, stay durable.
+    no_fsync = select(
+        func.set_config(_sql("'synchronous_commit'"), _sql("'off'"), _sql("true")).label("off")
+    ).cte("no_fsync")
+    fence = _delivery_fence(t)
+    row = (
+        select(
+            bindparam("p_key", type_=Text),
+            bindparam("p_job_id", type_=c.job_id.type),
+            LEDGER_RUNNING,
+            bindparam("p_owner", type_=Text),
+            now + seconds_param("p_lease"),
+            _sql("1"),
+        )
+        .select_from(no_fsync)
+        .where(~fence.fenced)
+    )
+    new = pg_insert(ledger).from_select(
+        ["key", "job_id", "state", "owner", "lease_expires_at", "attempts"], row
+    )
+    completed = c.state == LEDGER_COMPLETED
+    # The WHERE of DO UPDATE sees the existing row: a running key whose
+    # holder stopped renewing its lease is taken over, and (with
+    # p_take_completed: the key is the job key) a key completed for
+    # another job, an earlier one that used the same key and was pruned
+    # since; it starts afresh. A key completed for this job, or a live
+    # lease, makes the take return nothing.
+    take = new.on_conflict_do_update(
+        index_elements=[c.key],
+        set_={
+            "state": LEDGER_RUNNING,
+            "owner": new.excluded.owner,
+            "lease_expires_at": new.excluded.lease_expires_at,
+            "attempts": case((completed, _sql("1")), else_=c.attempts + _sql("1")),
+            "job_id": func.coalesce(new.excluded.job_id, c.job_id),
+            "result": null(),
+            "completed_at": null(),
+        },
+        where=or_(
+            and_(c.state == LEDGER_RUNNING, c.lease_expires_at <= now),
+            and_(
+                bindparam("p_take_completed", type_=Boolean),
+                completed,
+                c.job_id != new.excluded.job_id,
+            ),
+        ),
+    ).returning(c.attempts)
+    taken = take.cte("taken")
+    return select(select(taken.c.attempts).scalar_subquery().label("taken"), *fence.verdict)
+
+
+def ledger_check_delivery(t: Tables) -> Select[Any]:
+    """The delivery fence and adoption of :func:`ledger_acquire` for a
+    delivery of job ``p_job_id`` at ``p_attempt`` that takes no key."""
+    return select(*_delivery_fence(t).verdict)
+
+
+def ledger_inspect(t: Tables) -> Select[Any]:
+    """Key ``p_key``'s entry as a take that took nothing reads it."""
+    c = t.ledger.c
+    return select(
+        c.state,
+        c.owner,
+        c.attempts,
+        c.result,
+        c.result.is_not(None).label("recorded"),
+        extract("epoch", c.lease_expires_at - func.now()).label("retry_in"),
+        c.completed_at,
+    ).where(c.key == bindparam("p_key"))
+
+
+def _completion(t: Tables, *, recorded: bool) -> Any:
+    ledger = t.ledger
+    c = ledger.c
+    now = func.now()
+    # Owner tokens are unique per execution, so matching the owner is
+    # enough: a repeat by the same owner (a retry after a lost reply)
+    # finds its own completed row and only refreshes the result. An
+    # upsert: a row that is missing although this owner took it (the
+    # take's asynchronous commit was lost in a crash) is created
+    # completed; only a row of another owner refuses (no row changed).
+    result = cast(bindparam("p_result", type_=Text), JSONB) if recorded else null()
+    done = pg_insert(ledger).values(
+        key=bindparam("p_key", type_=Text),
+        job_id=bindparam("p_job_id", type_=c.job_id.type),
+        state=LEDGER_COMPLETED,
+        owner=bindparam("p_owner", type_=Text),
+        attempts=_sql("1"),
+        result=result,
+        completed_at=now,
+    )
+    values = {
+        "state": LEDGER_COMPLETED,
+        "lease_expires_at": null(),
+        "completed_at": func.coalesce(c.completed_at, now),
+    }
+    if recorded:
+        values["result"] = done.excluded.result
+    # RETURNING: a row back means completed (an upsert's row count is
+    # not reported through SQLAlchemy).
+    return done.on_conflict_do_update(
+        index_elements=[c.key], set_=values, where=c.owner == done.excluded.owner
+    ).returning(c.key)
+
+
+def ledger_complete(t: Tables) -> Any:
+    """Complete key ``p_key`` for ``p_owner`` (job ``p_job_id``), recording
+    ``p_result``; a row back means completed."""
+    return _completion(t, recorded=True)
+
+
+def ledger_complete_keep_result(t: Tables) -> Any:
+    """:func:`ledger_complete` recording no result."""
+    return _completion(t, recorded=False)
+
+
+#: Every named statement, in the order :func:`render` prints them.
+NAMED: tuple[Callable[[Tables], Any], ...] = (
+    claim_due,
+    claim_ids,
+    due_soon,
+    due_soon_after,
+    release,
+    mark_expired,
+    fail_dispatch,
+    unfinished_by_shard,
+    requeue_dispatched,
+    requeue_retrying,
+    requeue_running,
+    rescue,
+    heartbeat,
+    mark_running,
+    mark_finished,
+    mark_retrying,
+    batch_running,
+    batch_retrying,
+    batch_finished,
+    batch_ran,
+    batch_lost,
+    ledger_acquire,
+    ledger_check_delivery,
+    ledger_inspect,
+    ledger_complete,
+    ledger_complete_keep_result,
+)
+
+
+class Statements:
+    """Every named statement for one schema, built once (per store)."""
+
+    def __init__(self, schema: str) -> None:
+        t = self.tables = Tables.of(schema)
+        self.claim_due = claim_due(t)
+        self.claim_ids = claim_ids(t)
+        self.due_soon = due_soon(t)
+        self.due_soon_after = due_soon_after(t)
+        self.release = release(t)
+        self.mark_expired = mark_expired(t)
+        self.fail_dispatch = fail_dispatch(t)
+        self.unfinished_by_shard = unfinished_by_shard(t)
+        self.requeue_dispatched = requeue_dispatched(t)
+        self.requeue_retrying = requeue_retrying(t)
+        self.requeue_running = requeue_running(t)
+        self.rescue = rescue(t)
+        self.heartbeat = heartbeat(t)
+        self.mark_running = mark_running(t)
+        self.mark_finished = mark_finished(t)
+        self.mark_retrying = mark_retrying(t)
+        self.batch_running = batch_running(t)
+        self.batch_retrying = batch_retrying(t)
+        self.batch_finished = batch_finished(t)
+        self.batch_ran = batch_ran(t)
+        self.batch_lost = batch_lost(t)
+        self.ledger_acquire = ledger_acquire(t)
+        self.ledger_check_delivery = ledger_check_delivery(t)
+        self.ledger_inspect = ledger_inspect(t)
+        self.ledger_complete = ledger_complete(t)
+        self.ledger_complete_keep_result = ledger_complete_keep_result(t)
+
+
+def render(schema: str, names: list[str] | None = None) -> str:
+    """The named statements (all, or ``names``) as the SQL psycopg receives,
+    each headed by its name and docstring, its bound defaults after it."""
+    built = Statements(schema)
+    chosen = [fn for fn in NAMED if names is None or fn.__name__ in names]
+    unknown = set(names or ()) - {fn.__name__ for fn in chosen}
+    if unknown:
+        raise ValueError(f"no statement named {', '.join(sorted(unknown))}")
+    blocks = []
+    for fn in chosen:
+        compiled = getattr(built, fn.__name__).compile(dialect=DIALECT)
+        # IN lists spelled out, as the engine sends them.
+        expanded = compiled.construct_expanded_state(
+            {name: None for name, bind in compiled.binds.items() if bind.required}
+        )
+        doc = " ".join((fn.__doc__ or "").split())
+        defaults = {k: v for k, v in expanded.parameters.items() if v is not None}
+        lines = [f"-- name: {fn.__name__}", f"-- {doc}", f"{expanded.statement};"]
+        if defaults:
+            lines.append(f"-- defaults: {defaults}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
