@@ -1,10 +1,10 @@
 """The drop-in face: ``celery -A proj beat -S celery_sched``.
 
 :class:`Scheduler` is a ``celery.beat.Scheduler`` whose ``tick`` runs one pass
-of the :class:`~celery_sched.engine.Engine` and returns how long to sleep.
+of the :class:`~celery_sched.leader.Engine` and returns how long to sleep.
 Constructed with ``lazy=True`` (as the start-up banner does) it connects to
-nothing. It touches neither SQL nor Redis itself: it wires the backends built
-by :mod:`celery_sched.backends` into the engine.
+nothing. It touches neither SQL nor Redis itself: it opens the store and hands
+the rest to :func:`celery_sched.leader.build_leader`.
 
 Periodic schedules: at setup it reads the app's static schedules
 (``beat_schedule``, ``add_periodic_task`` entries, ``@app.task(base=Task,
@@ -18,8 +18,6 @@ the number of schedules stored.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from typing import TYPE_CHECKING, Any
 
 from celery import beat
@@ -76,17 +74,8 @@ class Scheduler(beat.Scheduler):
         return self._settings
 
     def setup_schedule(self) -> None:
-        from celery_sched.backends import (
-            build_dispatcher,
-            build_ledger,
-            build_redis,
-            build_staging,
-            build_store,
-        )
-        from celery_sched.backends import build_lease as build_lease_backend
-        from celery_sched.engine import Engine
-        from celery_sched.lease import LeaderElector
-        from celery_sched.planner import Planner
+        from celery_sched.backends import build_store
+        from celery_sched.leader import build_leader
 
         settings = self.settings
         # Before connecting anywhere: an invalid entry stops beat at once,
@@ -101,24 +90,7 @@ class Scheduler(beat.Scheduler):
         except BaseException:
             store.close()
             raise
-        redis_client = build_redis(settings)
-        elector = LeaderElector(
-            build_lease_backend(settings, redis_client),
-            shard=settings.shard,
-            ttl=settings.lease_ttl,
-            safety_margin=settings.lease_safety_margin,
-            acquire_epoch=store.acquire_epoch,
-            holder=f"{socket.gethostname()}:{os.getpid()}",
-        )
-        self._engine = Engine(
-            store=store,
-            staging=build_staging(settings, redis_client),
-            dispatcher=build_dispatcher(self.app, settings),
-            elector=elector,
-            settings=settings,
-            planner=Planner(store, settings, app=self.app, static=static),
-            ledger=build_ledger(settings, store),
-        )
+        self._engine = build_leader(self.app, settings, store=store, static=static)
         self._engine.start()
         logger.info(
             "celery_sched: shard %d competing for the lease (store %s, redis %s); "

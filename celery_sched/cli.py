@@ -16,6 +16,8 @@ import click
 
 from celery_sched.client import Client
 from celery_sched.errors import CelerySchedError, StaleEpoch
+from celery_sched.leader.reconciler import REQUEUE_BATCHES, Reconciler
+from celery_sched.leader.stats import EngineStats
 from celery_sched.models import JobStatus
 from celery_sched.settings import Settings
 
@@ -201,7 +203,7 @@ def prune(ctx: click.Context, older_than: float | None, ledger_older_than: float
     "--limit",
     type=click.IntRange(min=1),
     default=None,
-    help="Jobs moved per transaction (default: 10 x celery_sched_batch_size).",
+    help=f"Jobs moved per transaction (default: {REQUEUE_BATCHES} x celery_sched_batch_size).",
 )
 @click.pass_context
 def reconcile(ctx: click.Context, shard: int | None, limit: int | None) -> None:
@@ -216,8 +218,7 @@ def reconcile(ctx: click.Context, shard: int | None, limit: int | None) -> None:
     shard = settings.shard if shard is None else shard
     if shard >= settings.shards:
         raise click.UsageError(f"--shard must be below celery_sched_shards ({settings.shards})")
-    limit = limit or settings.batch_size * 10
-    requeued = dead = timed_out = 0
+    moved = EngineStats()
     with _clean_errors(), client:
         epoch = client.store.current_epoch(shard)
         if epoch == 0:
@@ -225,26 +226,16 @@ def reconcile(ctx: click.Context, shard: int | None, limit: int | None) -> None:
                 f"shard {shard} has never had a leader, so nothing was dispatched and there is "
                 "nothing to reconcile; start a beat (its leader runs the reconciler too)"
             )
-        while True:
-            try:
-                result = client.store.reconcile(
-                    shard=shard,
-                    epoch=epoch,
-                    limit=limit,
-                    default_visibility_timeout=settings.visibility_timeout,
-                )
-            except StaleEpoch as exc:
-                raise click.ClickException(
-                    f"StaleEpoch: {exc}. A new leader took over during the pass (after this "
-                    f"command requeued {requeued} and marked {dead} dead); its reconciler "
-                    "carries on. Run the command again to reconcile now."
-                ) from exc
-            requeued += result.requeued
-            dead += result.dead
-            timed_out += result.timed_out
-            if result.requeued + result.dead < limit:
-                break
+        reconciler = Reconciler(client.store, settings, moved, shard=shard, limit=limit)
+        try:
+            reconciler.drain(epoch)
+        except StaleEpoch as exc:
+            raise click.ClickException(
+                f"StaleEpoch: {exc}. A new leader took over during the pass (after this "
+                f"command requeued {moved.requeued} and marked {moved.dead} dead); its "
+                "reconciler carries on. Run the command again to reconcile now."
+            ) from exc
     click.echo(
-        f"Shard {shard} (epoch {epoch}): requeued {requeued} job(s), marked {dead} dead; "
-        f"{timed_out} of them were running past their max_runtime."
+        f"Shard {shard} (epoch {epoch}): requeued {moved.requeued} job(s), marked {moved.dead} "
+        f"dead; {moved.timed_out} of them were running past their max_runtime."
     )

@@ -94,6 +94,37 @@ def test_migrate_status_and_prune(pg_url: str, pg_schema: str) -> None:
         assert client.counts_by_status() == {JobStatus.PENDING: 4}
 
 
+def test_reconcile_requeues_a_transaction_at_a_time_until_none_is_left(
+    pg_url: str, pg_schema: str
+) -> None:
+    assert run_sched("migrate", schema=pg_schema, database_url=pg_url).returncode == 0
+    result = run_sched("reconcile", schema=pg_schema, database_url=pg_url)
+    assert result.returncode != 0
+    assert "never had a leader" in result.stderr
+
+    settings = Settings(database_url=pg_url, db_schema=pg_schema)
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)
+    with Client(cli_app.app, settings=settings, staging=False) as client:
+        client.schedule_many(
+            {"task": "cli_app.ping", "eta": past, "key": f"lost{i}"} for i in range(7)
+        )
+        epoch = client.store.acquire_epoch(0, "a leader that lost its messages")
+        assert len(client.store.claim_due(shard=0, epoch=epoch, limit=100)) == 7
+
+    result = run_sched(
+        "reconcile",
+        "--limit",
+        "3",
+        schema=pg_schema,
+        database_url=pg_url,
+        extra_env={"CELERY_SCHED_VISIBILITY_TIMEOUT": "0.001"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"(epoch {epoch}): requeued 7 job(s), marked 0 dead; 0 of them" in result.stdout
+    with Client(cli_app.app, settings=settings, staging=False) as client:
+        assert client.counts_by_status() == {JobStatus.PENDING: 7}
+
+
 def test_status_before_migrate_names_the_fix(pg_url: str, pg_schema: str) -> None:
     result = run_sched("status", schema=pg_schema, database_url=pg_url)
     assert result.returncode != 0

@@ -15,7 +15,7 @@ import redis
 
 from celery_sched.errors import LeaseUnavailable
 from celery_sched.interfaces import LeaseBackend
-from celery_sched.lease import LeaderElector
+from celery_sched.lease.elector import LeaderElector
 from celery_sched.lease.redis import RedisLeaseBackend
 
 pytestmark = pytest.mark.integration

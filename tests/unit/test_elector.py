@@ -14,7 +14,7 @@ import pytest
 
 from celery_sched.errors import StoreUnavailable
 from celery_sched.interfaces import LeaseBackend
-from celery_sched.lease import LeaderElector
+from celery_sched.lease.elector import LeaderElector
 from celery_sched.lease.memory import MemoryLeaseBackend
 from celery_sched.models import Lease
 

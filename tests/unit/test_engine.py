@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from celery_sched import engine as engine_module
 from celery_sched.dispatch.memory import MemoryDispatcher
-from celery_sched.engine import Engine
 from celery_sched.errors import StagingUnavailable, StoreUnavailable
-from celery_sched.lease import LeaderElector
+from celery_sched.leader import Engine, sweeping
+from celery_sched.lease.elector import LeaderElector
 from celery_sched.lease.memory import MemoryLeaseBackend
 from celery_sched.models import Job, JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
@@ -460,7 +459,7 @@ def test_a_job_whose_staged_copy_the_sweep_drops_runs_by_the_next_sweep(
         # Four full batches, then the claims in flight when the fourth is
         # published (the mid-sweep pop's turn): the partial batch and what
         # follows it, which end the sweep.
-        if len(claims) == 4 + engine_module.CLAIMS_AHEAD:
+        if len(claims) == 4 + sweeping.CLAIMS_AHEAD:
             last_claim_done.set()
         return jobs
 
@@ -493,7 +492,7 @@ def test_a_job_whose_staged_copy_the_sweep_drops_runs_by_the_next_sweep(
 
 
 @pytest.mark.parametrize(
-    ("pool_max_size", "most"), [(8, engine_module.CLAIMS_AHEAD), (2, 1)], ids=["pool8", "pool2"]
+    ("pool_max_size", "most"), [(8, sweeping.CLAIMS_AHEAD), (2, 1)], ids=["pool8", "pool2"]
 )
 def test_claims_in_flight_are_bounded_and_take_disjoint_rows(
     rig: Rig, monkeypatch: pytest.MonkeyPatch, pool_max_size: int, most: int
@@ -529,7 +528,7 @@ def test_claims_in_flight_are_bounded_and_take_disjoint_rows(
 
 
 def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> None:
-    ids = [rig.add(-1) for _ in range(rig.settings.batch_size * (engine_module.CLAIMS_AHEAD + 2))]
+    ids = [rig.add(-1) for _ in range(rig.settings.batch_size * (sweeping.CLAIMS_AHEAD + 2))]
     elector = rig.elector("a")
     elector.try_acquire()
     engine = rig.engine(elector)
@@ -543,7 +542,7 @@ def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> No
 
 
 def test_the_leader_prunes_old_jobs_and_ledger_entries_a_batch_at_a_time(rig: Rig) -> None:
-    from celery_sched.engine import HOUSEKEEPING_INTERVAL
+    from celery_sched.leader.housekeeping import HOUSEKEEPING_INTERVAL
     from celery_sched.store.ledger_memory import MemoryLedger
 
     rig.settings = dataclasses.replace(
@@ -808,3 +807,46 @@ def test_the_rescuer_requeues_jobs_of_a_silent_worker_on_its_own_interval(rig: R
     assert rig.dispatcher.sent_ids() == [job_id, job_id]  # requeued, then sent again
     gaps = [later - earlier for earlier, later in itertools.pairwise(passes)]
     assert gaps and all(abs(gap - 2.0) < 0.15 for gap in gaps)
+
+
+def test_the_reconciler_drains_in_batches_and_counts_what_moved_before_a_takeover(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sched reconcile`` drains with the loop's reconciler: batches of
+    ``limit`` until one comes back short; fenced off mid-way, the counts
+    say what the batches before moved."""
+    from celery_sched.errors import StaleEpoch
+    from celery_sched.leader.reconciler import Reconciler
+    from celery_sched.leader.stats import EngineStats
+
+    ids = [rig.add(-1) for _ in range(5)]
+    epoch = rig.store.acquire_epoch(0, "a")
+    assert len(rig.store.claim_due(shard=0, epoch=epoch, limit=10)) == 5
+    rig.clock.advance(rig.settings.visibility_timeout + 1)
+    calls: list[int] = []
+    real_reconcile = rig.store.reconcile
+
+    def reconcile(**kwargs: Any) -> Any:
+        calls.append(kwargs["limit"])
+        return real_reconcile(**kwargs)
+
+    monkeypatch.setattr(rig.store, "reconcile", reconcile)
+    stats = EngineStats()
+    Reconciler(rig.store, rig.settings, stats, limit=2).drain(epoch)
+    assert calls == [2, 2, 2]
+    assert (stats.requeued, stats.dead) == (5, 0)
+    assert {rig.status(i) for i in ids} == {JobStatus.PENDING}
+
+    assert len(rig.store.claim_due(shard=0, epoch=epoch, limit=10)) == 5
+    rig.clock.advance(rig.settings.visibility_timeout + 1)
+
+    def reconcile_then_lose_the_lease(**kwargs: Any) -> Any:
+        result = real_reconcile(**kwargs)
+        rig.store.acquire_epoch(0, "successor")
+        return result
+
+    monkeypatch.setattr(rig.store, "reconcile", reconcile_then_lose_the_lease)
+    stats = EngineStats()
+    with pytest.raises(StaleEpoch):
+        Reconciler(rig.store, rig.settings, stats, limit=2).drain(epoch)
+    assert (stats.requeued, stats.dead) == (2, 0)

@@ -21,7 +21,8 @@ from celery_sched.errors import (
     UnknownTimezone,
 )
 from celery_sched.models import JobStatus
-from celery_sched.planner import Planner, broken_reason, cursor_before, first_nominal
+from celery_sched.planner import Planner
+from celery_sched.schedules.rows import broken_reason, cursor_before, first_nominal
 from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
 
@@ -556,7 +557,7 @@ def test_cursor_before_leads_back_to_the_instant(rig: Rig, schedule: Any) -> Non
 
 def test_engine_syncs_plans_and_publishes_occurrences_on_time() -> None:
     from celery_sched.dispatch.memory import MemoryDispatcher
-    from celery_sched.engine import Engine
+    from celery_sched.leader import Engine
     from celery_sched.lease.memory import MemoryLeaseBackend
     from tests.unit.test_engine import Clock as LoopClock
     from tests.unit.test_engine import FlakyStaging, FlakyStore

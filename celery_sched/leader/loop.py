@@ -1,0 +1,345 @@
+"""The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune.
+
+One :class:`Engine` runs in each beat process. All of them compete for the
+shard's lease through a :class:`~celery_sched.lease.elector.LeaderElector`
+(renewed on its own thread); only the holder does any work. :meth:`Engine.step`
+performs one pass on the caller's thread and returns how long to sleep, so
+``celery.beat.Service`` can drive it from ``Scheduler.tick``. Each duty has a
+module of its own in this package, and its interval there; this one only
+keeps their timers and runs whichever are due.
+
+Failure rules (each duty's module says what its own failure does):
+
+- Each duty of a pass (stage, pop, plan, sweep, reconcile, rescue, prune)
+  fails on its own: any exception is logged with its traceback and counted,
+  the other duties still run, and the loop backs off. :meth:`Engine.step`
+  never raises.
+- Whatever happened to dispatching, the reconciler, the rescuer and pruning
+  run on their own schedules: a job the broker lost is requeued even while
+  every publish fails.
+- A stale epoch (another leader took over) makes the engine step down and
+  keep competing; it never exits the process.
+- Store time is the last time read from the store plus the monotonic time
+  since (:class:`~celery_sched.leader.clock.StoreClock`), never the local
+  wall clock.
+- Redis (staging) being down only slows things: the sweep claims straight
+  from Postgres.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery_sched.errors import CelerySchedError, StagingUnavailable, StaleEpoch
+from celery_sched.leader.claiming import Claimer
+from celery_sched.leader.clock import StoreClock
+from celery_sched.leader.housekeeping import Housekeeper
+from celery_sched.leader.planning import Planning
+from celery_sched.leader.publishing import Publisher
+from celery_sched.leader.reconciler import Reconciler
+from celery_sched.leader.rescuer import Rescuer
+from celery_sched.leader.staging import Stager
+from celery_sched.leader.stats import EngineStats
+from celery_sched.leader.sweeping import Sweeper
+from celery_sched.timeutil import UTC
+
+if TYPE_CHECKING:
+    from celery_sched.interfaces import Dispatcher, JobStore, Ledger, Staging
+    from celery_sched.lease.elector import LeaderElector
+    from celery_sched.planner import Planner
+    from celery_sched.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Longest a failing leader backs off before trying its dependencies again.
+MAX_BACKOFF = 5.0
+#: A leader pass longer than this many seconds is logged with its breakdown.
+SLOW_PASS = 0.5
+
+
+class Engine:
+    """One beat process's share of the work for one shard."""
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        staging: Staging,
+        dispatcher: Dispatcher,
+        elector: LeaderElector,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(UTC),
+        planner: Planner | None = None,
+        ledger: Ledger | None = None,
+    ) -> None:
+        self.store = store
+        self.planner = planner
+        self.ledger = ledger
+        self.staging = staging
+        self.dispatcher = dispatcher
+        self.elector = elector
+        self.settings = settings
+        self.shard = settings.shard
+        self.stats = EngineStats()
+        self._clock = clock
+        self._wall = wall
+        self._epoch: int | None = None
+        self._backoff = 0.0
+        # The duties' timers: monotonic times at which each is next due.
+        self._next_stage = 0.0
+        self._next_sweep = 0.0
+        self._next_reconcile = 0.0
+        self._next_plan = 0.0
+        self._next_housekeeping = 0.0
+        self._next_rescue = 0.0
+
+        stats = self.stats
+        self._store_clock = StoreClock(store, clock)
+        publisher = Publisher(
+            store=store,
+            dispatcher=dispatcher,
+            elector=elector,
+            store_clock=self._store_clock,
+            stats=stats,
+            shard=self.shard,
+        )
+        self._stager = Stager(
+            store=store,
+            staging=staging,
+            settings=settings,
+            store_clock=self._store_clock,
+            stats=stats,
+            sweep_by=self._sweep_by,
+        )
+        self._claimer = Claimer(
+            store=store,
+            staging=staging,
+            elector=elector,
+            settings=settings,
+            store_clock=self._store_clock,
+            stager=self._stager,
+            publisher=publisher,
+            clock=clock,
+        )
+        self._sweeper = Sweeper(
+            store=store,
+            elector=elector,
+            settings=settings,
+            publisher=publisher,
+            claimer=self._claimer,
+        )
+        self._planning = (
+            None
+            if planner is None
+            else Planning(
+                planner, elector=elector, settings=settings, stats=stats, stager=self._stager
+            )
+        )
+        self._reconciler = Reconciler(store, settings, stats)
+        self._rescuer = Rescuer(store, settings, stats)
+        self._housekeeper = Housekeeper(store, settings, stats, ledger)
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start competing for the lease (its renewal runs on its own thread)."""
+        self.elector.start()
+
+    def stop(self) -> None:
+        """Stop competing, release the lease if held, close the broker link."""
+        try:
+            self.elector.stop()
+        finally:
+            self._sweeper.close()
+            self.dispatcher.close()
+
+    @property
+    def role(self) -> str:
+        return "leader" if self._epoch is not None else "standby"
+
+    @property
+    def epoch(self) -> int | None:
+        return self._epoch
+
+    def store_now(self) -> dt.datetime:
+        """Best estimate of the store's clock that never runs ahead of it."""
+        return self._store_clock.now()
+
+    # -- the loop -----------------------------------------------------------
+
+    def step(self) -> float:
+        """Do one pass; return the seconds to sleep before the next one.
+
+        Never raises (but ``KeyboardInterrupt`` / ``SystemExit``): whatever
+        a pass throws is logged with its traceback, counted, and backed off.
+        """
+        try:
+            return self._step()
+        except Exception as exc:
+            # Outside any one duty (a bug, a bad row read by the loop itself):
+            # the loop must outlive it, or every beat in turn would exit.
+            return self._failed("pass", exc)
+
+    def _step(self) -> float:
+        lease = self.elector.current()
+        if lease is None:
+            if self._epoch is not None:
+                self._step_down("lease lost or expired")
+            return min(self.settings.max_tick, self.settings.lease_ttl / 3)
+        if lease.epoch != self._epoch:
+            self._elected(lease.epoch)
+        epoch = lease.epoch
+        try:
+            return self._lead(epoch)
+        except StaleEpoch:
+            self._step_down(f"epoch {epoch} is stale: another leader took over")
+            self.elector.release()
+            return 0.0
+
+    def _failed(self, duty: str, exc: BaseException) -> float:
+        """Log and count a failed duty; grow the backoff and return it."""
+        self.stats.errors += 1
+        self.stats.failures[duty] = self.stats.failures.get(duty, 0) + 1
+        self._backoff = min(MAX_BACKOFF, max(0.25, self._backoff * 2))
+        if isinstance(exc, CelerySchedError):
+            # Postgres, Redis or the broker is down: expected, no traceback.
+            # Keep the lease (the renewal thread decides that); nothing
+            # claimed is lost because claims precede publishing.
+            logger.warning(
+                "shard %d: %s failed (%s: %s); retrying in %.2fs",
+                self.shard,
+                duty,
+                type(exc).__name__,
+                exc,
+                self._backoff,
+            )
+        else:
+            logger.error(
+                "shard %d: %s failed unexpectedly; retrying in %.2fs",
+                self.shard,
+                duty,
+                self._backoff,
+                exc_info=exc,
+            )
+        return self._backoff
+
+    def _duty(self, name: str, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None]:
+        """Run one duty of a pass: ``(True, result)``, or ``(False, None)``
+        after logging and counting what it raised. A stale epoch is not a
+        failure of the duty: it ends the pass (the engine steps down)."""
+        try:
+            return True, fn(*args)
+        except StaleEpoch:
+            raise
+        except Exception as exc:
+            self._failed(name, exc)
+            return False, None
+
+    def _elected(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._stager.rewind()
+        self._next_stage = self._next_sweep = self._next_reconcile = self._next_plan = 0.0
+        if self._planning is not None:
+            self._planning.elected()
+        self.stats.elections += 1
+        logger.info("shard %d: leading with epoch %d", self.shard, epoch)
+
+    def _step_down(self, why: str) -> None:
+        logger.warning("shard %d: stepping down (%s)", self.shard, why)
+        self._epoch = None
+        self._stager.rewind()
+        self.stats.step_downs += 1
+
+    def _sweep_by(self, deadline: float) -> None:
+        """Bring the next sweep forward to ``deadline`` (monotonic) at the latest."""
+        self._next_sweep = min(self._next_sweep, deadline)
+
+    def _lead(self, epoch: int) -> float:
+        now = self._clock()
+        timings: list[tuple[str, float]] = []
+        more = False
+        clean = True
+        broker_down = False
+        if now >= self._next_stage:
+            ok, _ = self._duty("stage", self._stager.stage)
+            if ok:
+                self._next_stage = now + self._stager.interval
+            clean = clean and ok
+            timings.append(("stage", self._clock()))
+        ok, popped = self._duty("pop", self._claimer.pop_and_publish, epoch)
+        more = bool(popped)
+        clean = clean and ok
+        broker_down = not ok
+        timings.append(("pop", self._clock()))
+        if self._planning is not None and now >= self._next_plan:
+            ok, planning = self._duty("plan", self._planning.run)
+            # A pass cut short by its budget goes on right after dispatching.
+            self._next_plan = now if planning else now + self._planning.interval
+            more = more or bool(planning)
+            clean = clean and ok
+            timings.append(("plan", self._clock()))
+        if now >= self._next_sweep and not broker_down:
+            # (After a failed publish the sweep would only fail the same way.)
+            ok, swept = self._duty("sweep", self._sweeper.sweep, epoch)
+            more = more or (swept or 0) >= self._sweeper.batch_size
+            self._next_sweep = now + self._sweeper.interval
+            clean = clean and ok
+            timings.append(("sweep", self._clock()))
+        # Whatever happened to dispatching, the reconciler and pruning run
+        # on their own schedules: a job the broker lost is requeued even
+        # while every publish fails.
+        if now >= self._next_reconcile:
+            ok, _ = self._duty("reconcile", self._reconciler.run, epoch)
+            self._next_reconcile = now + self._reconciler.interval
+            clean = clean and ok
+            timings.append(("reconcile", self._clock()))
+        if now >= self._next_rescue:
+            ok, _ = self._duty("rescue", self._rescuer.run, epoch)
+            self._next_rescue = now + self._rescuer.interval
+            clean = clean and ok
+            timings.append(("rescue", self._clock()))
+        if now >= self._next_housekeeping:
+            ok, _ = self._duty("prune", self._housekeeper.run)
+            self._next_housekeeping = now + self._housekeeper.interval
+            clean = clean and ok
+            timings.append(("prune", self._clock()))
+        if timings and timings[-1][1] - now > SLOW_PASS:
+            # A slow pass delays every job due meanwhile; say where it went.
+            parts, start = [], now
+            for name, at in timings:
+                parts.append(f"{name} {at - start:.3f}s")
+                start = at
+            logger.warning("slow leader pass: %s", ", ".join(parts))
+        if not clean:
+            # Back off (the caller sleeps this long) instead of hammering a
+            # dependency that is down, or a row that fails every time.
+            return self._backoff
+        self._backoff = 0.0
+        if more:
+            return 0.0
+        return self._sleep_time()
+
+    def _sleep_time(self) -> float:
+        now = self._clock()
+        deadlines = [
+            self.settings.max_tick,
+            self._next_stage - now,
+            self._next_sweep - now,
+            self._next_reconcile - now,
+        ]
+        if self._planning is not None:
+            deadlines.append(self._next_plan - now)
+        try:
+            next_due = self.staging.next_due(self.shard)
+        except StagingUnavailable:
+            next_due = None
+        if next_due is not None and self._store_clock.measured:
+            deadlines.append((next_due - self._store_clock.now()).total_seconds())
+        return max(0.0, min(deadlines))

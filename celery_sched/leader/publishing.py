@@ -1,0 +1,152 @@
+"""Publishing a claimed batch, and settling what did not go out.
+
+Used by the claimer (staged ids) and the sweeper (rows claimed straight from
+Postgres); both claim before they publish, so a crash after the claim leaves
+the rows ``dispatched`` for the reconciler, never lost.
+
+What happens to a batch's jobs:
+
+- sent: stay ``dispatched`` until a worker reports them;
+- expired before they were due: ``expired``, with the reason;
+- rejected (unroutable, unencodable, their queue refused): each fails alone,
+  ``attempt + 1`` with the reason, ``dead`` past ``max_attempts``; the rest
+  of the batch goes out;
+- not sent because the broker is down: released to ``pending`` (fenced),
+  then :class:`~celery_sched.errors.PublishError` is raised so the loop
+  backs off;
+- withheld because the lease ran out mid-batch: left ``dispatched``,
+  untouched (a stale leader writes nothing) for the next leader's reconciler.
+
+Failures: should a settling write fail, the rows stay ``dispatched`` and the
+reconciler requeues them (logged at WARNING, never raised). Should the
+dispatcher itself raise, that propagates to the duty that published.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+from celery_sched.errors import PublishError, StoreError
+
+if TYPE_CHECKING:
+    from celery_sched.interfaces import Dispatcher, JobStore
+    from celery_sched.leader.clock import StoreClock
+    from celery_sched.leader.stats import EngineStats
+    from celery_sched.lease.elector import LeaderElector
+    from celery_sched.models import Job
+
+logger = logging.getLogger(__name__)
+
+
+class Publisher:
+    """Publishes claimed jobs for one shard and records each job's outcome."""
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        dispatcher: Dispatcher,
+        elector: LeaderElector,
+        store_clock: StoreClock,
+        stats: EngineStats,
+        shard: int,
+    ) -> None:
+        self._store = store
+        self._dispatcher = dispatcher
+        self._elector = elector
+        self._store_clock = store_clock
+        self._stats = stats
+        self._shard = shard
+
+    def holds(self, epoch: int) -> bool:
+        """Whether the lease of ``epoch`` is still locally valid (no I/O)."""
+        lease = self._elector.current()
+        return lease is not None and lease.epoch == epoch
+
+    def publish(self, jobs: Sequence[Job], epoch: int) -> None:
+        """Publish ``jobs`` (claimed under ``epoch``) and settle the rest.
+
+        Raises :class:`~celery_sched.errors.PublishError` once the jobs the
+        broker could not take are released.
+        """
+        if not jobs:
+            return
+        self._stats.claims += 1
+        # A leader paused between claim and publish for longer than its
+        # lease must not publish: a successor may have requeued and sent
+        # these jobs already. Checked before every chunk.
+        result = self._dispatcher.publish(
+            jobs, epoch=epoch, now=self._store_clock.now(), may_publish=lambda: self.holds(epoch)
+        )
+        # (Should publish itself raise, which jobs went out is unknown: they
+        # stay dispatched, and the reconciler requeues them with an attempt
+        # counted, so a batch that always breaks the dispatcher ends dead
+        # instead of being claimed again at once, forever.)
+        self._stats.published += len(result.sent)
+        if result.withheld:
+            self._stats.withheld += len(result.withheld)
+            logger.warning(
+                "shard %d: the lease of epoch %d ran out while publishing; %d jobs left "
+                "dispatched for the next leader's reconciler",
+                self._shard,
+                epoch,
+                len(result.withheld),
+            )
+        if not self.holds(epoch):
+            # A stale leader writes nothing more: the rows stay dispatched.
+            return
+        if result.expired:
+            self.settle("expire", result.expired, epoch)
+        if result.rejected:
+            self._fail(result.rejected, epoch)
+        if result.failed:
+            logger.warning("%d jobs failed to publish; releasing them", len(result.failed))
+            self.settle("release", result.failed, epoch)
+            # The broker is down: back off (step() does) instead of claiming
+            # the same jobs again at once.
+            raise PublishError(f"broker unavailable: {len(result.failed)} jobs not published")
+
+    def settle(
+        self, action: Literal["release", "expire"], job_ids: Sequence[uuid.UUID], epoch: int
+    ) -> None:
+        """Finish a transition after publishing; on failure the reconciler will."""
+        try:
+            if action == "release":
+                self._stats.released += self._store.release(job_ids, epoch=epoch)
+            else:
+                self._stats.expired += self._store.mark_expired(
+                    job_ids, epoch=epoch, reason="expired before it was due"
+                )
+        except StoreError as exc:
+            logger.warning(
+                "could not %s %d jobs (%s); the reconciler will requeue them",
+                action,
+                len(job_ids),
+                exc,
+            )
+
+    def _fail(self, rejected: dict[uuid.UUID, str], epoch: int) -> None:
+        """Count a failed publish against each job (dead past max_attempts)."""
+        try:
+            result = self._store.fail_dispatch(list(rejected.items()), epoch=epoch)
+        except StoreError as exc:
+            logger.warning(
+                "could not record %d failed publishes (%s); the reconciler will requeue them",
+                len(rejected),
+                exc,
+            )
+            return
+        self._stats.rejected += result.requeued + result.dead
+        self._stats.dead += result.dead
+        logger.warning(
+            "shard %d: %d jobs could not be published (%d requeued with an attempt counted, "
+            "%d dead); first: %s",
+            self._shard,
+            len(rejected),
+            result.requeued,
+            result.dead,
+            next(iter(rejected.values())),
+        )
