@@ -1,19 +1,34 @@
-"""The one place that builds concrete backends from settings.
+"""The one place that builds concrete backends from settings, and the one
+registry of what a Celery app's worker side uses.
 
 Everything else receives interfaces (:mod:`celery_sched.interfaces`), so unit
-tests can hand in the in-memory fakes instead.
+tests can hand in the in-memory fakes instead. The beat and the client build
+their backends with the ``build_*`` functions here; the worker side of an app
+(``celery_sched.Task`` executions, status tracking, the delivery fence and
+``Task.schedule()``) finds its backends in the app's :class:`WorkerSide`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+import threading
+import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from celery_sched.errors import ConfigurationError
 from celery_sched.settings import Settings
 
 if TYPE_CHECKING:
     import redis
 
+    from celery_sched.client import Client
+    from celery_sched.fence import DeliveryFence
     from celery_sched.interfaces import Dispatcher, JobStore, LeaseBackend, Ledger, Staging
+    from celery_sched.task import TaskRuntime
+    from celery_sched.tracking import StatusWriter
 
 
 def build_store(settings: Settings) -> JobStore:
@@ -68,6 +83,175 @@ def build_ledger(settings: Settings, store: JobStore | None = None) -> Ledger:
     from celery_sched.store.ledger_postgres import PostgresLedger
     from celery_sched.store.postgres import PostgresJobStore
 
-    if isinstance(store, PostgresJobStore) and store._settings == settings:
+    if isinstance(store, PostgresJobStore) and store.settings == settings:
         return PostgresLedger(store)
     return PostgresLedger(PostgresJobStore(settings), owns_store=True)
+
+
+# -- the worker side -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Overrides:
+    """Backends handed in for an app's worker side instead of those its
+    settings build (tests; ``celery_sched.task.install`` and friends)."""
+
+    settings: Settings | None = None
+    store: JobStore | None = None
+    ledger: Ledger | None = None
+    client: Client | None = None
+
+
+_lock = threading.RLock()
+
+
+class WorkerSide:
+    """What the worker side of one Celery app uses in this process.
+
+    The backends are the :attr:`overrides`, or are built from the settings
+    on first use: the settings (the app's), the job store, the idempotency
+    ledger (sharing the store's connection pool) and the ``Client`` of
+    ``Task.schedule()``. The modules of the worker side keep their
+    process-local helpers here as well, each building its own under
+    :attr:`lock`: the status writer (:mod:`celery_sched.tracking`), the
+    delivery fence (:mod:`celery_sched.fence`) and the lease keeper and
+    owner tokens of ``celery_sched.Task`` (:mod:`celery_sched.task`).
+
+    One per app and process (:func:`worker_side`). Threads and connections
+    do not survive a fork, so a forked child starts a new side, which keeps
+    the overrides, the install flags and the job store (the store opens its
+    own connections in each process).
+    """
+
+    #: Guards building anything of any side (builds are cheap: backends
+    #: connect on first use).
+    lock = _lock
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        overrides: Overrides | None = None,
+        store: JobStore | None = None,
+        installed: frozenset[str] = frozenset(),
+    ) -> None:
+        self.pid = os.getpid()
+        self._app = weakref.ref(app)
+        self.overrides = overrides or Overrides()
+        #: The modules whose ``install`` ran for the app (:meth:`install`).
+        self.installed = set(installed)
+        self._settings = self.overrides.settings
+        self._store = self.overrides.store if self.overrides.store is not None else store
+        self._ledger = self.overrides.ledger
+        self.client: Client | None = self.overrides.client
+        self.writer: StatusWriter | None = None
+        self.fence: DeliveryFence | None = None
+        self.tasks: TaskRuntime | None = None
+
+    @property
+    def app(self) -> Any:
+        app = self._app()
+        if app is None:  # pragma: no cover - the registry drops a side with its app
+            raise RuntimeError("the Celery app of this worker side is gone")
+        return app
+
+    @property
+    def settings(self) -> Settings:
+        """The overriding settings, else the app's (read on first use)."""
+        with _lock:
+            if self._settings is None:
+                self._settings = Settings.from_app(self.app)
+            return self._settings
+
+    @property
+    def store(self) -> JobStore:
+        """The job store, built on first use; shared with forked children."""
+        with _lock:
+            if self._store is None:
+                self._store = build_store(self.settings)
+            return self._store
+
+    @property
+    def ledger(self) -> Ledger:
+        """This process's idempotency ledger, built on first use (it uses the
+        store's pool and per-thread connections, which a forked child never shares)."""
+        with _lock:
+            if self._ledger is None:
+                self._ledger = build_ledger(self.settings, self.store)
+            return self._ledger
+
+    def override(self, **given: Any) -> None:
+        """Use the given backends (``settings``, ``store``, ``ledger``,
+        ``client``) from now on; ``None`` for one builds it from the settings again.
+
+        What was built from the earlier ones is built again on first use,
+        except the status writer, which keeps the reports it holds.
+        """
+        with _lock:
+            before = self.overrides
+            after = self.overrides = dataclasses.replace(before, **given)
+            self._settings = after.settings
+            if after.store is not before.store or after.settings != before.settings:
+                self._store = after.store
+            self._ledger = after.ledger
+            self.client = after.client
+            self.fence = None
+            self.tasks = None
+
+    def install(self, module: str, **given: Any) -> bool:
+        """Record that ``module`` installed itself for the app, using the
+        backends ``given`` that are not None (see :meth:`override`); True
+        the first time, when the module has its signal handlers to connect."""
+        with _lock:
+            given = {name: value for name, value in given.items() if value is not None}
+            if given:
+                self.override(**given)
+            first = module not in self.installed
+            self.installed.add(module)
+            return first
+
+    def forked(self) -> WorkerSide:
+        """A new side for this app in a child process of this side's."""
+        return WorkerSide(
+            self.app,
+            overrides=self.overrides,
+            store=self._store,
+            installed=frozenset(self.installed),
+        )
+
+    @contextlib.contextmanager
+    def plain_transaction(self) -> Iterator[Any]:
+        """A transaction on the job store's PostgreSQL database (yields a
+        SQLAlchemy ``Connection``); for ``Task.ledger_transaction()`` called
+        outside an execution."""
+        from celery_sched.store.postgres import PostgresJobStore
+
+        store = self.store
+        if not isinstance(store, PostgresJobStore):
+            raise ConfigurationError("ledger_transaction() needs the PostgreSQL job store")
+        with store.engine.begin() as conn:
+            yield conn
+
+
+_sides: weakref.WeakKeyDictionary[Any, WorkerSide] = weakref.WeakKeyDictionary()
+
+
+def worker_side(app: Any) -> WorkerSide:
+    """The :class:`WorkerSide` of ``app`` in this process (the only registry of them)."""
+    side = _sides.get(app)
+    if side is not None and side.pid == os.getpid():
+        return side
+    with _lock:
+        side = _sides.get(app)
+        if side is None:
+            side = _sides[app] = WorkerSide(app)
+        elif side.pid != os.getpid():
+            side = _sides[app] = side.forked()
+        return side
+
+
+def worker_sides() -> list[WorkerSide]:
+    """The worker sides this process made (of apps still alive)."""
+    pid = os.getpid()
+    with _lock:
+        return [side for side in _sides.values() if side.pid == pid]

@@ -31,20 +31,19 @@ unreachable, which runs (at-least-once), as do all deliveries for
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
 from celery.utils.imports import symbol_by_name
 from celery.worker.state import task_ready
 
-from celery_sched.dispatch import HEADER_ATTEMPT, HEADER_KEY
+from celery_sched import backends
 from celery_sched.errors import CelerySchedError
 from celery_sched.models import DeliveryCheck
+from celery_sched.protocol import ATTEMPT_HEADER, request_attempt, request_job_id
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import Ledger
@@ -54,38 +53,6 @@ logger = logging.getLogger(__name__)
 #: Seconds deliveries run unchecked after the job store could not be read,
 #: so that an outage costs one failed read per period, not one per message.
 REOPEN_AFTER = 10.0
-
-
-def header(request: Any, name: str) -> Any:
-    """A message header of a task request: a worker makes headers request
-    attributes; an eager ``apply(headers=...)`` and a worker request keep
-    them in a headers mapping."""
-    value = getattr(request, name, None)
-    if value is None:
-        headers = getattr(request, "headers", None) or getattr(request, "request_dict", None)
-        value = (headers or {}).get(name)
-    return value
-
-
-def request_attempt(request: Any) -> int | None:
-    """The ``celery_sched_attempt`` header of a task request, ``None`` if absent or odd."""
-    value = header(request, HEADER_ATTEMPT)
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def request_job_id(request: Any, task_id: Any) -> uuid.UUID | None:
-    """The job id of a celery_sched message (its task id), else ``None``."""
-    if header(request, HEADER_KEY) is None or task_id is None:
-        return None
-    try:
-        return uuid.UUID(str(task_id))
-    except ValueError:
-        return None
 
 
 class DeliveryFence:
@@ -120,30 +87,13 @@ class DeliveryFence:
             return DeliveryCheck()
 
 
-_lock = threading.Lock()
-_fences: weakref.WeakKeyDictionary[Any, tuple[int, DeliveryFence]] = weakref.WeakKeyDictionary()
-_injected: weakref.WeakKeyDictionary[Any, Ledger] = weakref.WeakKeyDictionary()
-_installed: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
 def fence_for(app: Any) -> DeliveryFence:
     """This process's fence for ``app``, built on first use (after any fork)."""
-    with _lock:
-        cached = _fences.get(app)
-        if cached is not None and cached[0] == os.getpid():
-            return cached[1]
-        ledger = _injected.get(app)
-        if ledger is None:
-            from celery_sched import tracking
-            from celery_sched.backends import build_ledger
-            from celery_sched.settings import Settings
-
-            # Only the store's per-thread raw connections are used here, which
-            # a forked pool child never shares.
-            ledger = build_ledger(Settings.from_app(app), tracking.store_for(app))
-        fence = DeliveryFence(ledger)
-        _fences[app] = (os.getpid(), fence)
-        return fence
+    side = backends.worker_side(app)
+    with side.lock:
+        if side.fence is None:
+            side.fence = DeliveryFence(side.ledger)
+        return side.fence
 
 
 class FencedRequest:
@@ -170,7 +120,7 @@ class FencedRequest:
                 attempt,
                 check.adopted,
             )
-            request._request_dict[HEADER_ATTEMPT] = check.adopted
+            request._request_dict[ATTEMPT_HEADER] = check.adopted
             return False
         reason = check.reason
         if reason is None:
@@ -191,13 +141,14 @@ class FencedRequest:
 
 
 _fenced_classes: dict[type, type] = {}
+_fenced_classes_lock = threading.Lock()
 
 
 def fenced(base: type) -> type:
     """``base`` (a worker request class) with the delivery fence mixed in."""
     if issubclass(base, FencedRequest):
         return base
-    with _lock:
+    with _fenced_classes_lock:
         cls = _fenced_classes.get(base)
         if cls is None:
             cls = _fenced_classes[base] = type(
@@ -209,9 +160,7 @@ def fenced(base: type) -> type:
 def apply(app: Any) -> int:
     """Give every task of ``app`` a fenced request class (unless the
     ``celery_sched_worker_fence`` setting is off); returns how many changed."""
-    from celery_sched.settings import Settings
-
-    if not Settings.from_app(app).worker_fence:
+    if not backends.worker_side(app).settings.worker_fence:
         logger.info("delivery fence is off (celery_sched_worker_fence)")
         return 0
     changed = 0
@@ -234,13 +183,8 @@ def install(app: Any, *, ledger: Ledger | None = None) -> None:
     Idempotent. ``ledger`` is for tests (the fence reads job rows through
     :meth:`~celery_sched.interfaces.Ledger.check_delivery`).
     """
-    with _lock:
-        if ledger is not None:
-            _injected[app] = ledger
-            _fences.pop(app, None)
-        if app in _installed:
-            return
-        _installed.add(app)
+    if not backends.worker_side(app).install(__name__, ledger=ledger):
+        return
 
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is app:

@@ -36,8 +36,9 @@ own writes to the job store's PostgreSQL database together with the key's
 completion (exactly-once effects for those writes).
 
 Each worker process builds its ledger from the app's settings on first use
-and shares the connection pool of the status tracking
-(:mod:`celery_sched.tracking`), which binding a Task installs for the app.
+and shares the job store of the status tracking (:mod:`celery_sched.tracking`,
+which binding a Task installs for the app): both are the app's
+:class:`~celery_sched.backends.WorkerSide`.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import os
 import random
 import secrets
 import socket
-import string
 import threading
 import time
 import uuid
@@ -63,16 +63,25 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import celery
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_sched import tracking
-from celery_sched.dispatch import HEADER_ATTEMPT, HEADER_EPOCH, HEADER_KEY
+from celery_sched import backends, tracking
 from celery_sched.errors import (
     CelerySchedError,
-    ConfigurationError,
     InvalidJob,
     LedgerConflict,
 )
-from celery_sched.fence import request_attempt
 from celery_sched.models import ClaimOutcome, JobStatus
+from celery_sched.protocol import (
+    ATTEMPT_HEADER,
+    CARRIED_HEADERS,
+    FAILURES_HEADER,
+    KEY_HEADER,
+    MAX_KEY_LENGTH,
+    header,
+    header_count,
+    request_attempt,
+    request_job_id,
+)
+from celery_sched.validation import check_task_options
 
 if TYPE_CHECKING:
     from celery_sched.client import Client
@@ -81,14 +90,6 @@ if TYPE_CHECKING:
     from celery_sched.settings import Settings
 
 logger = logging.getLogger(__name__)
-
-#: Failed executions so far (a header our retries carry).
-HEADER_FAILURES = "celery_sched_failures"
-#: celery_sched headers a retried message must keep.
-CARRIED_HEADERS = (HEADER_KEY, HEADER_ATTEMPT, HEADER_EPOCH, HEADER_FAILURES)
-
-#: Longest idempotency key, as for job keys.
-MAX_KEY_LENGTH = 512
 
 #: Longest wait between retries while the ledger's database is unreachable.
 MAX_UNAVAILABLE_DELAY = 60.0
@@ -156,8 +157,9 @@ class LeaseKeeper:
             self.renew_now()
 
 
-class _Runtime:
-    """What celery_sched Tasks of one app use in one process."""
+class TaskRuntime:
+    """What celery_sched Tasks of one app use in one process (kept in the
+    app's :class:`~celery_sched.backends.WorkerSide`)."""
 
     def __init__(self, settings: Settings, store: JobStore, ledger: Ledger) -> None:
         self.settings = settings
@@ -166,28 +168,13 @@ class _Runtime:
         self.lease = settings.ledger_lease
         self.max_result_bytes = settings.ledger_max_result_bytes
         self.keeper = LeaseKeeper(ledger, settings.ledger_lease)
-        self.pid = os.getpid()
         # Owner tokens: unique per execution, cheap to make. The random part
         # keeps a recycled pid on the same host from reusing old tokens.
-        self._owner_prefix = f"{socket.gethostname()}:{self.pid}:{secrets.token_hex(4)}:"
+        self._owner_prefix = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:"
         self._counter = itertools.count(1)
 
     def owner(self) -> str:
         return f"{self._owner_prefix}{next(self._counter)}"
-
-
-@dataclasses.dataclass
-class _Injected:
-    settings: Settings | None = None
-    store: JobStore | None = None
-    ledger: Ledger | None = None
-    client: Client | None = None
-
-
-_lock = threading.RLock()
-_injected: weakref.WeakKeyDictionary[Any, _Injected] = weakref.WeakKeyDictionary()
-_runtimes: weakref.WeakKeyDictionary[Any, _Runtime] = weakref.WeakKeyDictionary()
-_clients: weakref.WeakKeyDictionary[Any, tuple[int, Client]] = weakref.WeakKeyDictionary()
 
 
 def install(
@@ -202,48 +189,36 @@ def install(
 
     Optional: by default each process builds them from the app's settings on
     first use. Tests pass in-memory fakes here; ``store`` also becomes the
-    store of the app's status tracking.
+    store of the app's status tracking (and stays when a later call gives none).
     """
-    with _lock:
-        _injected[app] = _Injected(settings=settings, store=store, ledger=ledger, client=client)
-        _runtimes.pop(app, None)
-        _clients.pop(app, None)
-    tracking.install(app, store=store)
+    given: dict[str, Any] = {"settings": settings, "ledger": ledger, "client": client}
+    if store is not None:
+        given["store"] = store
+    backends.worker_side(app).override(**given)
+    tracking.install(app)
 
 
-def runtime_for(app: Any) -> _Runtime:
+def runtime_for(app: Any) -> TaskRuntime:
     """This process's ledger, lease keeper and store for ``app``, built on first use."""
-    runtime = _runtimes.get(app)
-    if runtime is not None and runtime.pid == os.getpid():
-        return runtime
-    with _lock:
-        runtime = _runtimes.get(app)
-        if runtime is None or runtime.pid != os.getpid():
-            from celery_sched.backends import build_ledger
-            from celery_sched.settings import Settings
-
-            injected = _injected.get(app) or _Injected()
-            settings = injected.settings or Settings.from_app(app)
-            store = injected.store or tracking.store_for(app)
-            ledger = injected.ledger or build_ledger(settings, store)
-            runtime = _runtimes[app] = _Runtime(settings, store, ledger)
-        return runtime
+    side = backends.worker_side(app)
+    runtime = side.tasks
+    if runtime is None:
+        with side.lock:
+            if side.tasks is None:
+                side.tasks = TaskRuntime(side.settings, side.store, side.ledger)
+            runtime = side.tasks
+    return runtime
 
 
 def client_for(app: Any) -> Client:
     """The one :class:`~celery_sched.client.Client` of ``app`` in this process."""
-    with _lock:
-        injected = _injected.get(app)
-        if injected is not None and injected.client is not None:
-            return injected.client
-        cached = _clients.get(app)
-        if cached is not None and cached[0] == os.getpid():
-            return cached[1]
-        from celery_sched.client import Client
+    side = backends.worker_side(app)
+    with side.lock:
+        if side.client is None:
+            from celery_sched.client import Client
 
-        client = Client(app, settings=injected.settings if injected else None)
-        _clients[app] = (os.getpid(), client)
-        return client
+            side.client = Client(app, settings=side.settings)
+        return side.client
 
 
 # -- the Task base class -------------------------------------------------------------
@@ -327,7 +302,7 @@ class Task(celery.Task[..., Any]):
         key_spec = cls.__dict__.get("idempotency_key")
         if inspect.isfunction(key_spec):
             cls.idempotency_key = staticmethod(key_spec)
-        _check_options(cls)
+        check_task_options(cls)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -344,7 +319,7 @@ class Task(celery.Task[..., Any]):
         runtime = runtime_for(self.app)
         key = self._key_for(request, args, kwargs)
         owner = runtime.owner()
-        job_id = _job_id(request)
+        job_id = request_job_id(request, request.id)
         try:
             claim = runtime.ledger.acquire(
                 key,
@@ -372,10 +347,10 @@ class Task(celery.Task[..., Any]):
             # This older copy took the job over (nobody had started it since
             # its requeue): it is the job's current attempt from now on, for
             # its status reports, its retries and the fence of later copies.
-            setattr(request, HEADER_ATTEMPT, claim.adopted)
+            setattr(request, ATTEMPT_HEADER, claim.adopted)
             headers = getattr(request, "headers", None)
             if isinstance(headers, dict):
-                headers[HEADER_ATTEMPT] = claim.adopted
+                headers[ATTEMPT_HEADER] = claim.adopted
             tracking.report_running(self, request.id)
         if claim.outcome is ClaimOutcome.FENCED:
             # Acknowledged without a verdict: no status report moves the row
@@ -407,7 +382,7 @@ class Task(celery.Task[..., Any]):
 
     def _run_acquired(
         self,
-        runtime: _Runtime,
+        runtime: TaskRuntime,
         request: Any,
         key: str,
         owner: str,
@@ -461,7 +436,7 @@ class Task(celery.Task[..., Any]):
             )
         return result
 
-    def _release(self, runtime: _Runtime, key: str, owner: str) -> None:
+    def _release(self, runtime: TaskRuntime, key: str, owner: str) -> None:
         try:
             runtime.ledger.release(key, owner=owner)
         except CelerySchedError as exc:
@@ -472,13 +447,13 @@ class Task(celery.Task[..., Any]):
                 exc,
             )
 
-    def _after_failure(self, runtime: _Runtime, request: Any, exc: Exception) -> None:
+    def _after_failure(self, runtime: TaskRuntime, request: Any, exc: Exception) -> None:
         """Retry a failed execution while attempts remain; then mark the job dead."""
         limit = self.max_attempts
         if limit is None or isinstance(exc, InvalidJob):
             return
-        failures = _int_header(request, HEADER_FAILURES)
-        made = _int_header(request, HEADER_ATTEMPT) + failures + 1
+        failures = header_count(request, FAILURES_HEADER)
+        made = header_count(request, ATTEMPT_HEADER) + failures + 1
         if made < limit:
             delay = self._retry_delay(failures)
             logger.warning(
@@ -491,9 +466,9 @@ class Task(celery.Task[..., Any]):
                 exc,
                 delay,
             )
-            self._retry_later(request, exc, delay, headers={HEADER_FAILURES: failures + 1})
+            self._retry_later(request, exc, delay, headers={FAILURES_HEADER: failures + 1})
         error = f"{type(exc).__name__}: {exc}"[:2000]
-        job_id = _job_id(request)
+        job_id = request_job_id(request, request.id)
         logger.error(
             "task %s[%s] failed %d of %d attempts, giving up: %s",
             self.name,
@@ -559,7 +534,7 @@ class Task(celery.Task[..., Any]):
             carried = {
                 name: value
                 for name in CARRIED_HEADERS
-                if (value := _header(request, name)) is not None
+                if (value := header(request, name)) is not None
             }
             if carried:
                 options["headers"] = {**carried, **(options.get("headers") or {})}
@@ -570,7 +545,7 @@ class Task(celery.Task[..., Any]):
     def _key_for(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         spec = self.idempotency_key
         if spec is None:
-            key = _header(request, HEADER_KEY)
+            key = header(request, KEY_HEADER)
             return str(key) if key else f"task:{request.id}"
         try:
             if isinstance(spec, str):
@@ -622,7 +597,7 @@ class Task(celery.Task[..., Any]):
         request = self.request_stack.top
         execution: _Execution | None = getattr(request, "celery_sched_execution", None)
         if execution is None:
-            with _plain_transaction(runtime_for(self.app).store) as conn:
+            with backends.worker_side(self.app).plain_transaction() as conn:
                 yield conn
             return
         if execution.completed:
@@ -662,33 +637,6 @@ class Task(celery.Task[..., Any]):
 # -- helpers -------------------------------------------------------------------------
 
 
-def _header(request: Any, name: str) -> Any:
-    """A message header of ``request``: a worker makes headers request
-    attributes, an eager ``apply(headers=...)`` keeps them in ``request.headers``."""
-    value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
-    return value
-
-
-def _job_id(request: Any) -> uuid.UUID | None:
-    """The celery_sched job id of a message (its task id), else ``None``."""
-    if _header(request, HEADER_KEY) is None:
-        return None
-    try:
-        return uuid.UUID(str(request.id))
-    except ValueError:
-        return None
-
-
-def _int_header(request: Any, name: str) -> int:
-    value = _header(request, name)
-    try:
-        return max(0, int(value)) if value is not None else 0
-    except (TypeError, ValueError):
-        return 0
-
-
 def _encode_result(result: Any, limit: int) -> str | None:
     """The result as compact JSON text, or ``None`` if it cannot or should not be recorded."""
     try:
@@ -711,57 +659,3 @@ def _signature_of(task: Task) -> inspect.Signature:
     if signature is None:
         signature = _signatures[cls] = inspect.signature(task.run)
     return signature
-
-
-@contextlib.contextmanager
-def _plain_transaction(store: JobStore) -> Iterator[Any]:
-    from celery_sched.store.postgres import PostgresJobStore
-
-    if not isinstance(store, PostgresJobStore):
-        raise ConfigurationError("ledger_transaction() needs the PostgreSQL job store")
-    with store.engine.begin() as conn:
-        yield conn
-
-
-def _positive_number(value: Any) -> bool:
-    return type(value) in (int, float) and value > 0
-
-
-def _check_options(cls: type[Task]) -> None:
-    """Validate the decorator options of a Task class when it is created."""
-    name = cls.__dict__.get("name") or cls.__name__
-    for option in ("visibility_timeout", "max_runtime"):
-        value = getattr(cls, option)
-        if value is not None and not _positive_number(value):
-            raise ConfigurationError(
-                f"task {name}: {option} must be a positive number of seconds, got {value!r}"
-            )
-    attempts = cls.max_attempts
-    if attempts is not None and (type(attempts) is not int or attempts < 1):
-        raise ConfigurationError(
-            f"task {name}: max_attempts must be an integer >= 1, got {attempts!r}"
-        )
-    spec = cls.idempotency_key
-    if spec is None or callable(spec):
-        return
-    if not isinstance(spec, str) or not spec:
-        raise ConfigurationError(
-            f"task {name}: idempotency_key must be a format string or a callable, got {spec!r}"
-        )
-    run = cls.__dict__.get("run")
-    if run is None:
-        return
-    function = getattr(run, "__func__", run)
-    try:
-        parameters = inspect.signature(function).parameters
-        fields = [field for _, field, _, _ in string.Formatter().parse(spec) if field]
-    except (TypeError, ValueError) as exc:
-        raise ConfigurationError(f"task {name}: invalid idempotency_key {spec!r}: {exc}") from exc
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    for field in fields:
-        root = field.split(".", 1)[0].split("[", 1)[0]
-        if root and not root.isdigit() and root not in parameters and not takes_any:
-            raise ConfigurationError(
-                f"task {name}: idempotency_key {spec!r} names {root!r}, which is not a "
-                f"parameter of the task ({', '.join(parameters) or 'none'})"
-            )

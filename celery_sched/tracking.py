@@ -48,7 +48,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -56,39 +55,28 @@ from billiard.exceptions import WorkerLostError
 from celery import signals
 from celery.utils.time import maybe_iso8601
 
-from celery_sched.dispatch import HEADER_ATTEMPT
+from celery_sched import backends, fence
 from celery_sched.errors import SchemaMissing, StoreUnavailable
 from celery_sched.models import REPORT_RETRY_IN_LIMIT, JobStatus, WorkerUpdate
+from celery_sched.protocol import request_attempt, request_job_id
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import JobStore
 
 logger = logging.getLogger(__name__)
 
-KEY_HEADER = "celery_sched_key"
-
-_stores: weakref.WeakKeyDictionary[Any, JobStore] = weakref.WeakKeyDictionary()
-_installed: weakref.WeakSet[Any] = weakref.WeakSet()
-_lock = threading.RLock()
-
 
 def install(app: Any, store: JobStore | None = None) -> None:
     """Track the status of celery_sched jobs executed by ``app``'s workers.
 
-    Idempotent. ``store`` is for tests; by default each worker process builds
-    its own store from the app's settings on first use (after any fork).
+    Idempotent. ``store`` is for tests; by default the store is built from
+    the app's settings on first use (:class:`celery_sched.backends.WorkerSide`).
     """
-    with _lock:
-        if store is not None:
-            _stores[app] = store
-        if app in _installed:
-            return
-        _installed.add(app)
+    if not backends.worker_side(app).install(__name__, store=store):
+        return
     signals.task_prerun.connect(_on_prerun, weak=False)
     signals.task_postrun.connect(_on_postrun, weak=False)
     # Workers skip deliveries whose job moved on (celery_sched.fence).
-    from celery_sched import fence
-
     fence.install(app)
     signals.task_failure.connect(_on_failure, weak=False)
     signals.worker_process_shutdown.connect(flush_all, weak=False)
@@ -334,72 +322,37 @@ class StatusWriter:
                     self._failing = True
 
 
-_writers: dict[int, StatusWriter] = {}
-
-
 def writer_for(app: Any) -> StatusWriter:
     """This process's status writer for ``app``, started on first use and
     replaced (taking over its unwritten reports) if its thread is gone."""
-    with _lock:
-        writer = _writers.get(id(app))
-        if writer is None or writer.pid != os.getpid():
-            writer = _writers[id(app)] = StatusWriter(store_for(app))
+    side = backends.worker_side(app)
+    with side.lock:
+        writer = side.writer
+        if writer is None:
+            writer = side.writer = StatusWriter(side.store)
         elif not writer.alive:
             if not writer.closed:
                 logger.error("the job status writer thread of this process ended; replacing it")
             pending, hostnames = writer.handover()
-            writer = _writers[id(app)] = StatusWriter(
-                store_for(app), pending=pending, hostnames=hostnames
-            )
+            writer = side.writer = StatusWriter(side.store, pending=pending, hostnames=hostnames)
         return writer
 
 
 def flush_all(**_: Any) -> None:
     """Write every queued report of this process (worker shutdown, tests);
     nothing later would write what fails now."""
-    for writer in list(_writers.values()):
-        if writer.pid == os.getpid():
+    for side in backends.worker_sides():
+        writer = side.writer
+        if writer is not None and writer.pid == os.getpid():
             writer.flush(final=True)
 
 
-def store_for(app: Any) -> JobStore:
-    """The job store of ``app`` in this process, built on first use."""
-    with _lock:
-        store = _stores.get(app)
-        if store is None:
-            from celery_sched.backends import build_store
-            from celery_sched.settings import Settings
-
-            store = _stores[app] = build_store(Settings.from_app(app))
-        return store
-
-
 def _job_id(task: Any, task_id: str | None) -> uuid.UUID | None:
-    if task is None or task_id is None or task.app not in _installed:
+    """The job a signal is about: only for apps that installed tracking, and
+    only messages of celery_sched jobs."""
+    if task is None or task_id is None or __name__ not in backends.worker_side(task.app).installed:
         return None
-    request = task.request
-    # A worker exposes message headers as request attributes; an eager
-    # apply(headers=...) keeps them in request.headers.
-    if getattr(request, KEY_HEADER, None) is None and KEY_HEADER not in (
-        getattr(request, "headers", None) or {}
-    ):
-        return None
-    try:
-        return uuid.UUID(task_id)
-    except ValueError:
-        return None
-
-
-def _attempt(task: Any) -> int | None:
-    """The delivery's attempt (its ``celery_sched_attempt`` header), if readable."""
-    request = task.request
-    value = getattr(request, HEADER_ATTEMPT, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(HEADER_ATTEMPT)
-    try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
-        return None
+    return request_job_id(task.request, task_id)
 
 
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
@@ -419,7 +372,7 @@ def report_running(task: Any, task_id: str | None) -> None:
                 status=JobStatus.RUNNING,
                 worker=worker,
                 worker_pid=os.getpid(),
-                attempt=_attempt(task),
+                attempt=request_attempt(task.request),
             )
         )
 
@@ -442,7 +395,7 @@ def _on_failure(
             job_id=job_id,
             status=JobStatus.PENDING,
             error=f"its worker process was lost: {_describe(exception)}",
-            attempt=_attempt(sender),
+            attempt=request_attempt(sender.request),
         )
     )
 

@@ -2,39 +2,30 @@
 
 :class:`JobBuilder` runs before anything is written, so a rejected job leaves
 no trace. Every rejection is a :class:`~celery_sched.errors.InvalidJob`
-subclass whose message names the problem.
+subclass whose message names the problem. The body and reprs are encoded by
+:class:`celery_sched.protocol.BodyEncoder`, ids come from
+:class:`celery_sched.ids.UUID7Source`; this module only checks.
 
 ``Client.schedule_many`` pushes a million rows through :meth:`JobBuilder.build`
 in one call, so the per-row path avoids repeated lookups: the task registry,
-timezone, serializer and repr limits are resolved once, and the common case
-of flat scalar arguments with the JSON serializer is encoded without the
-generic (and several times slower) encoder and ``saferepr`` machinery, with
-byte-identical output.
+timezone, serializer and limits are resolved once.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import json
 import math
-import os
 import re
-import struct
-import uuid
+import string
 import zlib
 import zoneinfo
-from collections.abc import Callable, Iterator, Mapping
-from json.encoder import encode_basestring_ascii
-from time import time_ns
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import kombu.serialization
-from celery.utils.saferepr import saferepr
-from kombu.serialization import dumps
-from kombu.utils.json import dumps as kombu_json_dumps
-
-from celery_sched.dispatch import RESERVED_HEADER_PREFIX, RESERVED_HEADERS, is_reserved_header
 from celery_sched.errors import (
+    ConfigurationError,
     InvalidArguments,
     InvalidJob,
     InvalidTime,
@@ -43,6 +34,9 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
+
+# Re-exported: client.py, planner.py and schedules import them from here.
+from celery_sched.ids import UUID7Source as UUID7Source
 from celery_sched.models import (
     DUE_LIMIT,
     EMPTY_OPTIONS,
@@ -52,6 +46,13 @@ from celery_sched.models import (
     NewJob,
     NewJobRow,
     id_of_key,
+)
+from celery_sched.protocol import MAX_KEY_LENGTH as MAX_KEY_LENGTH
+from celery_sched.protocol import (
+    RESERVED_HEADER_PREFIX,
+    RESERVED_HEADERS,
+    BodyEncoder,
+    is_reserved_header,
 )
 from celery_sched.settings import Settings
 from celery_sched.timeutil import EPOCH, UTC, resolve_local
@@ -67,8 +68,6 @@ ALLOWED_OPTIONS = MESSAGE_OPTIONS | JOB_OPTIONS
 #: options override them.
 TASK_JOB_DEFAULTS = ("visibility_timeout", "max_attempts", "max_runtime")
 
-MAX_KEY_LENGTH = 512
-
 #: The shape of a periodic occurrence's key, exactly as
 #: ``schedules.occurrence_key`` writes it: ``<schedule name>@`` and the
 #: nominal UTC instant as naive ``isoformat()`` (microseconds only when not
@@ -82,15 +81,13 @@ def is_occurrence_key(key: str) -> bool:
     return key[-1:] == "Z" and _OCCURRENCE_KEY.fullmatch(key) is not None
 
 
-#: The protocol-2 "embed" part of the body: scheduled jobs carry no canvas.
-_EMBED: dict[str, None] = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-_EMBED_JSON_TAIL = "}, " + json.dumps(_EMBED) + "]"
-
-_DEFAULT_REPR_MAXLEVELS = 3
-
 Clock = Callable[[], dt.datetime]
 
 _MINUTE = dt.timedelta(minutes=1)
+
+#: The row fields options decide: message options, expires_at,
+#: max_attempts, visibility_timeout, max_runtime.
+_OptionFields = tuple[Mapping[str, Any], dt.datetime | None, int, float | None, float | None]
 
 
 class JobBuilder:
@@ -112,24 +109,15 @@ class JobBuilder:
             raise UnknownTimezone(
                 f"the Celery app's timezone {app.conf.timezone!r} is unknown"
             ) from exc
-        self._serializer: str = app.conf.task_serializer
-        self._argsrepr_max: int | None = app.amqp.argsrepr_maxsize
-        self._kwargsrepr_max: int | None = app.amqp.kwargsrepr_maxsize
-        maxlevels = app.conf.get("task_repr_maxlevels", _DEFAULT_REPR_MAXLEVELS)
-        self._repr_maxlevels: int = _DEFAULT_REPR_MAXLEVELS if maxlevels is None else maxlevels
         self._max_payload = settings.max_payload_bytes
         self._max_attempts = settings.max_attempts
         self._shards = settings.shards
         self._ids = UUID7Source()
-        self._content_type, self._content_encoding = _codec_of(self._serializer)
-        # The flat-scalar fast path reproduces kombu's JSON output exactly;
-        # only take it when the app uses kombu's own JSON encoder.
-        self._fast_json = self._serializer == "json" and _registered_encoder("json") is (
-            kombu_json_dumps
-        )
-        # Flat containers sit at repr level 1, which saferepr never elides
-        # unless maxlevels is negative.
-        self._fast_repr = self._repr_maxlevels >= 0
+        self._no_options: _OptionFields = (EMPTY_OPTIONS, None, self._max_attempts, None, None)
+        encoder = BodyEncoder(app)
+        self._encode = encoder.encode
+        self._content_type = encoder.content_type
+        self._content_encoding = encoder.content_encoding
 
     # -- public -------------------------------------------------------------
 
@@ -231,8 +219,18 @@ class JobBuilder:
                     f"kwargs of task {task_name!r} must be a mapping, got {type(kwargs).__name__}"
                 )
             kwargs = dict(kwargs)
+        for name in kwargs:
+            if type(name) is not str:
+                raise InvalidArguments(
+                    f"kwargs of task {task_name!r} must have string keys, got {name!r}"
+                )
 
         body, argsrepr, kwargsrepr = self._encode(task_name, args, kwargs)
+        if len(body) > self._max_payload:
+            raise PayloadTooLarge(
+                f"serialized arguments of task {task_name!r} are {len(body)} bytes, "
+                f"over the limit of {self._max_payload} bytes (celery_sched_max_payload_bytes)"
+            )
 
         # The common bulk case, an aware UTC eta, needs no conversion.
         if countdown is None and type(eta) is dt.datetime and eta.tzinfo is UTC:
@@ -283,9 +281,11 @@ class JobBuilder:
         if defaults is not None:
             options = {**defaults, **options} if options else defaults
         if options:
-            return self._with_options(
-                job_id, key, task_name, body, argsrepr, kwargsrepr, due_at, shard, options
+            message, expires_at, max_attempts, visibility_timeout, max_runtime = self._options(
+                task_name, due_at, options
             )
+        else:
+            message, expires_at, max_attempts, visibility_timeout, max_runtime = self._no_options
         # NEW_JOB_ROW order; what NewJob.__post_init__ would check holds by
         # construction (aware UTC due_at, non-empty key, max_attempts >= 1).
         return (
@@ -297,15 +297,15 @@ class JobBuilder:
             self._content_encoding,
             argsrepr,
             kwargsrepr,
-            EMPTY_OPTIONS,
+            message,
             due_at,
             int((due_at - EPOCH) // _MINUTE),
-            None,
-            self._max_attempts,
+            expires_at,
+            max_attempts,
             shard,
             None,
-            None,
-            None,
+            visibility_timeout,
+            max_runtime,
         )
 
     def _defaults_of(self, task_name: str) -> dict[str, Any] | None:
@@ -322,86 +322,6 @@ class JobBuilder:
     def shard_of(self, key: str) -> int:
         """The shard a job key belongs to (stable across processes)."""
         return 0 if self._shards == 1 else zlib.crc32(key.encode()) % self._shards
-
-    # -- arguments ------------------------------------------------------------
-
-    def _encode(
-        self, task_name: str, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[bytes, str, str]:
-        """Serialize the protocol-2 body once; return it with argsrepr/kwargsrepr."""
-        for name in kwargs:
-            if type(name) is not str:
-                raise InvalidArguments(
-                    f"kwargs of task {task_name!r} must have string keys, got {name!r}"
-                )
-        fast = _flat_scalars(args, kwargs) if self._fast_repr else None
-        if fast is None:
-            body = self._serialize(task_name, args, kwargs)
-            return (
-                body,
-                _pg_text(self._saferepr_args(args)),
-                _pg_text(self._saferepr_kwargs(kwargs)),
-            )
-        arg_reprs, arg_jsons, kwarg_reprs, kwarg_jsons = fast
-        inner = ", ".join(arg_reprs)
-        if type(args) is list:
-            argsrepr = "[" + inner + "]"
-        elif len(arg_reprs) == 1:
-            argsrepr = "(" + inner + ",)"
-        else:
-            argsrepr = "(" + inner + ")"
-        # Only an untruncated saferepr equals the plain join.
-        limit = self._argsrepr_max
-        if limit is not None and len(argsrepr) >= limit:
-            argsrepr = self._saferepr_args(args)
-        kwargsrepr = "{" + ", ".join(kwarg_reprs) + "}" if kwarg_reprs else "{}"
-        limit = self._kwargsrepr_max
-        if limit is not None and len(kwargsrepr) >= limit:
-            kwargsrepr = self._saferepr_kwargs(kwargs)
-        if not argsrepr.isascii() or "\x00" in argsrepr:
-            argsrepr = _pg_text(argsrepr)
-        if not kwargsrepr.isascii() or "\x00" in kwargsrepr:
-            kwargsrepr = _pg_text(kwargsrepr)
-        if not self._fast_json:
-            return self._serialize(task_name, args, kwargs), argsrepr, kwargsrepr
-        body = (
-            "[[" + ", ".join(arg_jsons) + "], {" + ", ".join(kwarg_jsons) + _EMBED_JSON_TAIL
-        ).encode("ascii")
-        if len(body) > self._max_payload:
-            self._check_size(task_name, body)
-        return body, argsrepr, kwargsrepr
-
-    def _serialize(
-        self, task_name: str, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> bytes:
-        try:
-            _ctype, _cenc, payload = dumps((args, kwargs, _EMBED), serializer=self._serializer)
-        except Exception as exc:  # serializers raise anything; all mean "cannot encode"
-            cause = exc.__cause__ or exc
-            raise InvalidArguments(
-                f"arguments of task {task_name!r} cannot be serialized with "
-                f"{self._serializer!r}: {type(cause).__name__}: {cause}"
-            ) from exc
-        body = payload.encode(self._text_encoding()) if isinstance(payload, str) else payload
-        self._check_size(task_name, body)
-        return body
-
-    def _text_encoding(self) -> str:
-        enc = self._content_encoding
-        return "utf-8" if enc in ("binary", "") else enc
-
-    def _check_size(self, task_name: str, body: bytes) -> None:
-        if len(body) > self._max_payload:
-            raise PayloadTooLarge(
-                f"serialized arguments of task {task_name!r} are {len(body)} bytes, "
-                f"over the limit of {self._max_payload} bytes (celery_sched_max_payload_bytes)"
-            )
-
-    def _saferepr_args(self, args: list[Any] | tuple[Any, ...]) -> str:
-        return saferepr(args, self._argsrepr_max, maxlevels=self._repr_maxlevels)
-
-    def _saferepr_kwargs(self, kwargs: dict[str, Any]) -> str:
-        return saferepr(kwargs, self._kwargsrepr_max, maxlevels=self._repr_maxlevels)
 
     # -- time -----------------------------------------------------------------
 
@@ -441,18 +361,9 @@ class JobBuilder:
 
     # -- options --------------------------------------------------------------
 
-    def _with_options(
-        self,
-        job_id: uuid.UUID,
-        key: str | None,
-        task_name: str,
-        body: bytes,
-        argsrepr: str,
-        kwargsrepr: str,
-        due_at: dt.datetime,
-        shard: int,
-        options: Mapping[str, Any],
-    ) -> NewJobRow:
+    def _options(
+        self, task_name: str, due_at: dt.datetime, options: Mapping[str, Any]
+    ) -> _OptionFields:
         unknown = [name for name in options if name not in ALLOWED_OPTIONS]
         if unknown:
             raise UnknownOption(
@@ -477,23 +388,10 @@ class JobBuilder:
             raise InvalidJob(
                 f"max_attempts must be an integer from 1 to {MAX_INT32}, got {max_attempts!r}"
             )
-
         return (
-            job_id,
-            key,
-            task_name,
-            body,
-            self._content_type,
-            self._content_encoding,
-            argsrepr,
-            kwargsrepr,
             message or EMPTY_OPTIONS,
-            due_at,
-            int((due_at - EPOCH) // _MINUTE),
             expires_at,
             max_attempts,
-            shard,
-            None,
             _positive_seconds("visibility_timeout", options.get("visibility_timeout")),
             _positive_seconds("max_runtime", options.get("max_runtime")),
         )
@@ -521,6 +419,54 @@ class JobBuilder:
             "expires must be seconds after the due time or a datetime, "
             f"got {type(expires).__name__}"
         )
+
+
+# -- celery_sched.Task decorator options -------------------------------------------
+
+
+def _positive_number(value: Any) -> bool:
+    return type(value) in (int, float) and value > 0
+
+
+def check_task_options(cls: Any) -> None:
+    """Validate the decorator options of a ``celery_sched.Task`` class when it
+    is created (raises :class:`~celery_sched.errors.ConfigurationError`)."""
+    name = cls.__dict__.get("name") or cls.__name__
+    for option in ("visibility_timeout", "max_runtime"):
+        value = getattr(cls, option)
+        if value is not None and not _positive_number(value):
+            raise ConfigurationError(
+                f"task {name}: {option} must be a positive number of seconds, got {value!r}"
+            )
+    attempts = cls.max_attempts
+    if attempts is not None and (type(attempts) is not int or attempts < 1):
+        raise ConfigurationError(
+            f"task {name}: max_attempts must be an integer >= 1, got {attempts!r}"
+        )
+    spec = cls.idempotency_key
+    if spec is None or callable(spec):
+        return
+    if not isinstance(spec, str) or not spec:
+        raise ConfigurationError(
+            f"task {name}: idempotency_key must be a format string or a callable, got {spec!r}"
+        )
+    run = cls.__dict__.get("run")
+    if run is None:
+        return
+    function = getattr(run, "__func__", run)
+    try:
+        parameters = inspect.signature(function).parameters
+        fields = [field for _, field, _, _ in string.Formatter().parse(spec) if field]
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"task {name}: invalid idempotency_key {spec!r}: {exc}") from exc
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    for field in fields:
+        root = field.split(".", 1)[0].split("[", 1)[0]
+        if root and not root.isdigit() and root not in parameters and not takes_any:
+            raise ConfigurationError(
+                f"task {name}: idempotency_key {spec!r} names {root!r}, which is not a "
+                f"parameter of the task ({', '.join(parameters) or 'none'})"
+            )
 
 
 # -- option checks -------------------------------------------------------------
@@ -574,14 +520,6 @@ def _check_text(what: str, value: str) -> None:
         raise InvalidJob(f"{what} is not valid Unicode text: {value!r}") from exc
 
 
-def _pg_text(text: str) -> str:
-    """A repr made storable as PostgreSQL text (escaping NUL and lone surrogates)."""
-    text = text.replace("\x00", "\\x00")
-    if text.isascii():
-        return text
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _positive_seconds(name: str, value: Any) -> float | None:
     if value is None:
         return None
@@ -593,146 +531,3 @@ def _positive_seconds(name: str, value: Any) -> float | None:
             f"(1000 years), got {value!r}"
         )
     return float(value)
-
-
-# -- serializer lookups ----------------------------------------------------------
-
-
-def _registered_encoder(serializer: str) -> object:
-    # kombu keeps its codec table private; without it the fast path is off.
-    table = getattr(getattr(kombu.serialization, "registry", None), "_encoders", {})
-    codec = table.get(serializer)
-    return None if codec is None else codec[2]
-
-
-def _codec_of(serializer: str) -> tuple[str, str]:
-    """Content type and encoding of ``serializer`` (raises InvalidJob if unknown)."""
-    try:
-        content_type, content_encoding, _payload = dumps([], serializer=serializer)
-    except Exception as exc:
-        raise InvalidJob(f"task serializer {serializer!r} is not available: {exc}") from exc
-    return content_type, content_encoding
-
-
-# -- the flat-scalar fast path -----------------------------------------------------
-
-_Part = tuple[str, str]  # (saferepr text, JSON text)
-
-
-def _scalar(value: Any) -> _Part | None:
-    """saferepr and kombu-JSON text of a plain scalar, or None if not plain."""
-    kind = type(value)
-    if kind is str:
-        # saferepr quotes with ' and escapes only the quote, unlike repr().
-        return "'" + value.replace("'", "\\'") + "'", encode_basestring_ascii(value)
-    if kind is int:
-        text: str = int.__repr__(value)
-        return text, text
-    if value is None:
-        return "None", "null"
-    if kind is bool:
-        return ("True", "true") if value else ("False", "false")
-    if kind is float and math.isfinite(value):
-        text = float.__repr__(value)
-        return text, text
-    return None
-
-
-def _flat_scalars(
-    args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[list[str], list[str], list[str], list[str]] | None:
-    """saferepr and JSON texts of each arg and of each ``key: value`` kwarg,
-    or None unless all are plain scalars."""
-    arg_reprs: list[str] = []
-    arg_jsons: list[str] = []
-    for value in args:
-        part = _scalar(value)
-        if part is None:
-            return None
-        arg_reprs.append(part[0])
-        arg_jsons.append(part[1])
-    kwarg_reprs: list[str] = []
-    kwarg_jsons: list[str] = []
-    for name, value in kwargs.items():
-        part = _scalar(value)
-        if part is None:
-            return None
-        kwarg_reprs.append("'" + name.replace("'", "\\'") + "': " + part[0])
-        kwarg_jsons.append(encode_basestring_ascii(name) + ": " + part[1])
-    return arg_reprs, arg_jsons, kwarg_reprs, kwarg_jsons
-
-
-# -- ids -------------------------------------------------------------------------
-
-
-class UUID7Source:
-    """Time-ordered (version 7, RFC 9562) UUIDs, drawing OS randomness in blocks.
-
-    The id is the primary key (and, for jobs scheduled without a key, the
-    key). Random (v4) ids scatter every insert over the B-tree, and once it
-    outgrows shared_buffers each row costs page evictions and full-page WAL
-    images: a bulk load ran ~2.4x slower than with ids that grow with time,
-    whose inserts all land at the right edge. Every claim and status change
-    also writes a new primary-key entry next to the old one, so ids of jobs
-    scheduled together keep those writes on neighbouring pages (random ids
-    cost a claim ~30% more server time). A v7 id is 48 bits of Unix milliseconds followed by 74
-    random bits, so ids stay unguessable and unique (collisions need the
-    same millisecond and the same 74 random bits). The local clock only
-    orders ids; no decision depends on it.
-
-    ``uuid.uuid4()`` also makes a syscall and runs ``UUID.__init__``'s
-    checks per id, a large share of a bulk insert's per-row cost; drawing
-    randomness in blocks and building the UUID directly avoids both.
-    """
-
-    # 80 random bits per id, unpacked as a 64-bit and a 16-bit part; the
-    # version and variant bits are then overwritten (74 stay random).
-    _PARTS = struct.Struct(">QH")
-    _BLOCK = _PARTS.size * 4096
-    _CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
-    _SET = (0x8000 << 48) | (7 << 76)
-
-    def __init__(self) -> None:
-        self._parts: Iterator[tuple[int, int]] = iter(())
-        self._fast = _can_build_uuid_directly()
-
-    def next(self) -> uuid.UUID:
-        # Thread-safe without a lock: each step of the C unpacking iterator
-        # runs under the GIL, so no two calls get the same random bits (two
-        # threads replacing an exhausted iterator at once just draw twice).
-        try:
-            high, low = next(self._parts)
-        except StopIteration:
-            self._parts = self._PARTS.iter_unpack(os.urandom(self._BLOCK))
-            high, low = next(self._parts)
-        value = ((time_ns() // 1_000_000) << 80 | high << 16 | low) & self._CLEAR | self._SET
-        if not self._fast:
-            return uuid.UUID(int=value)
-        # _uuid_from_int, inlined: one call less per id.
-        obj: uuid.UUID = _new(_UUID)
-        _set(obj, "int", value)
-        _set(obj, "is_safe", _SAFE_UNKNOWN)
-        return obj
-
-
-_new = object.__new__
-_set = object.__setattr__
-_SAFE_UNKNOWN = uuid.SafeUUID.unknown
-_UUID = uuid.UUID
-
-
-def _uuid_from_int(value: int) -> uuid.UUID:
-    # What UUID.__init__ ends with, without re-checking a value built to be valid.
-    obj: uuid.UUID = _new(uuid.UUID)
-    _set(obj, "int", value)
-    _set(obj, "is_safe", _SAFE_UNKNOWN)
-    return obj
-
-
-def _can_build_uuid_directly() -> bool:
-    """True when this Python's UUID can be built by slot assignment."""
-    try:
-        probe = _uuid_from_int(0x12345678123441238123123456789ABC)
-        return probe == uuid.UUID("12345678-1234-4123-8123-123456789abc") and probe.version == 4
-    except Exception:
-        return False

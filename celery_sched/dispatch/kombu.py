@@ -6,16 +6,22 @@ headers is built once per batch, routes are resolved once per task name and
 per-job destination, queues are declared once per connection, and on
 transports that support it (Redis) the whole batch goes through one
 ``Producer.batch()`` pipeline.
+
+Why this module is over 700 lines: it is one class whose three publish paths
+(Kombu's producer; py-amqp's ``basic_publish`` with properties from
+:mod:`~celery_sched.dispatch.amqp_wire`; pipelined ``LPUSH`` of
+:class:`~celery_sched.protocol.RedisEnvelopes` on Redis) share one
+connection, one cache of declared queues and one chunk accounting of which
+jobs count as sent, and the error classification at the top decides for all
+three what is retried and what fails one destination. The message itself
+(headers, body, envelope, expiry) is :mod:`celery_sched.protocol`'s.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import datetime as dt
-import itertools
-import json
 import logging
 import time
 import uuid
@@ -24,7 +30,6 @@ from typing import Any
 
 import amqp
 import amqp.exceptions
-import orjson
 import redis.exceptions
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
@@ -34,11 +39,17 @@ from kombu.exceptions import (  # type: ignore[attr-defined]  # missing from kom
     OperationalError,
 )
 
-from celery_sched.dispatch import HEADER_KEY, base_headers, is_expired, message_headers
 from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder
 from celery_sched.errors import CelerySchedError, PublishError
 from celery_sched.interfaces import Dispatcher, PublishResult
 from celery_sched.models import Job
+from celery_sched.protocol import (
+    KEY_HEADER,
+    RedisEnvelopes,
+    base_headers,
+    is_expired,
+    message_headers,
+)
 from celery_sched.retry import call_with_retry
 from celery_sched.settings import Settings, sanitize_url
 
@@ -101,90 +112,6 @@ _NO_AUTO_FLUSH = 1 << 30
 
 def _always() -> bool:
     return True
-
-
-def _dumps(value: Any) -> bytes:
-    """JSON of ``value`` for a Redis message envelope.
-
-    orjson is about ten times faster than ``json.dumps`` here, which is a
-    fifth of the per-message cost of the publish path; anything it refuses
-    (integers beyond 64 bits, say) goes through the standard encoder.
-    """
-    try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
-    except TypeError:
-        return json.dumps(value).encode()
-
-
-class _RedisEnvelopes:
-    """The JSON envelopes of one publish call, as Kombu's Redis transport writes them.
-
-    The same object as ``{"body", "content-encoding", "content-type",
-    "headers", "properties"}`` with Kombu's properties, but only the
-    per-message parts (body, headers, task id, tag, expiration) are encoded
-    per message; what a route and priority share is encoded once and
-    spliced in. About half the cost of dumping the whole dict each time.
-    """
-
-    def __init__(self, reply_to: str) -> None:
-        self._reply_to = _dumps(reply_to)
-        # Kombu tags each message with a fresh uuid4; any string unique
-        # across publishers works, and a random per-call prefix plus a
-        # counter costs a fraction of a uuid4 per message.
-        self._tag = uuid.uuid4().hex.encode() + b"-%d"
-        self._tags = itertools.count()
-        self._heads: dict[tuple[str, str], bytes] = {}
-        self._properties: dict[tuple[int, int], bytes] = {}
-
-    def encode(self, message: _Message, priority: int) -> bytes:
-        head_key = (message.content_encoding, message.content_type)
-        head = self._heads.get(head_key)
-        if head is None:
-            head = self._heads[head_key] = b"".join(
-                (
-                    b'","content-encoding":',
-                    _dumps(message.content_encoding),
-                    b',"content-type":',
-                    _dumps(message.content_type),
-                    b',"headers":',
-                )
-            )
-        route = message.route
-        # Routes are cached by the dispatcher and outlive this call.
-        properties_key = (id(route), priority)
-        properties = self._properties.get(properties_key)
-        if properties is None:
-            properties = self._properties[properties_key] = b"".join(
-                (
-                    b',"properties":{"reply_to":',
-                    self._reply_to,
-                    b',"delivery_mode":',
-                    _dumps(route.delivery_mode),
-                    b',"delivery_info":',
-                    _dumps({"exchange": "", "routing_key": route.routing_key}),
-                    b',"priority":',
-                    _dumps(priority),
-                    b',"body_encoding":"base64","correlation_id":',
-                )
-            )
-        expiration = b""
-        if message.expiration is not None:
-            milliseconds = int(max(message.expiration, 0.0) * 1000)
-            expiration = b',"expiration":"%d"' % milliseconds
-        return b"".join(
-            (
-                b'{"body":"',
-                base64.b64encode(message.body),
-                head,
-                _dumps(message.headers),
-                properties,
-                _dumps(message.task_id),
-                expiration,
-                b',"delivery_tag":"',
-                self._tag % next(self._tags),
-                b'"}}',
-            )
-        )
 
 
 def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
@@ -257,6 +184,16 @@ class _Message:
     route: Route
     priority: int | None
     expiration: float | None
+
+
+def _record_sent(
+    chunk: list[_Message], rejected: dict[uuid.UUID, str], sent: list[uuid.UUID]
+) -> None:
+    """Count the jobs of a chunk the broker took as sent, except the rejected ones."""
+    if rejected:
+        sent.extend(m.job_id for m in chunk if m.job_id not in rejected)
+    else:
+        sent.extend(m.job_id for m in chunk)
 
 
 class KombuDispatcher(Dispatcher):
@@ -647,7 +584,7 @@ class KombuDispatcher(Dispatcher):
                         except Exception as exc:
                             logger.exception(
                                 "cannot publish job %s (task %s)",
-                                message.headers.get(HEADER_KEY),
+                                message.headers.get(KEY_HEADER),
                                 message.headers.get("task"),
                             )
                             rejected[message.job_id] = repr(exc)
@@ -665,10 +602,7 @@ class KombuDispatcher(Dispatcher):
                             [m.job_id for m in todo[done:end] if m.job_id not in rejected],
                             f"Redis refused a publish batch: {cause}",
                         ) from exc
-                    for index in range(done, end):
-                        job_id = todo[index].job_id
-                        if not rejected or job_id not in rejected:
-                            sent.append(job_id)
+                    _record_sent(todo[done:end], rejected, sent)
                     done = end
         except TRANSIENT_ERRORS:
             self._reset()
@@ -749,7 +683,7 @@ class KombuDispatcher(Dispatcher):
         Redis refuses (WRONGTYPE) fails only the jobs written to it.
         """
         channel = producer.channel
-        envelope = _RedisEnvelopes(self._reply_to).encode
+        envelope = RedisEnvelopes(self._reply_to).encode
         declared = self._declared
         min_priority, max_priority = channel.min_priority, channel.max_priority
         q_for_pri = channel._q_for_pri
@@ -778,7 +712,7 @@ class KombuDispatcher(Dispatcher):
                         except (TypeError, ValueError) as exc:
                             logger.exception(
                                 "cannot encode job %s (task %s)",
-                                message.headers.get(HEADER_KEY),
+                                message.headers.get(KEY_HEADER),
                                 message.headers.get("task"),
                             )
                             rejected[message.job_id] = f"cannot encode the message: {exc!r}"
@@ -804,10 +738,7 @@ class KombuDispatcher(Dispatcher):
                             why = refused.get(keys[(message.route.routing_key, priority)])
                             if why is not None:
                                 rejected[message.job_id] = why
-                    for index in range(done, end):
-                        job_id = todo[index].job_id
-                        if not rejected or job_id not in rejected:
-                            sent.append(job_id)
+                    _record_sent(todo[done:end], rejected, sent)
                     done = end
         finally:
             del todo[:done]

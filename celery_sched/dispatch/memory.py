@@ -9,9 +9,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from celery_sched.dispatch import base_headers, is_expired, message_headers
 from celery_sched.interfaces import Dispatcher, PublishResult
 from celery_sched.models import Job
+from celery_sched.protocol import base_headers, is_expired, message_headers
 
 DEFAULT_QUEUE = "celery"
 

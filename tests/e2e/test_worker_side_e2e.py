@@ -23,8 +23,7 @@ from celery_sched.client import Client
 from celery_sched.dispatch.kombu import KombuDispatcher
 from celery_sched.models import Job, JobStatus, LedgerState
 from celery_sched.settings import Settings
-from celery_sched.store.ledger_postgres import PostgresLedger
-from celery_sched.store.postgres import PostgresJobStore
+from celery_sched.store.postgres import PostgresJobStore, PostgresLedger
 from tests.e2e import task_app
 from tests.e2e.harness import CELERY, ROOT, Cluster, Proc, wait_for
 

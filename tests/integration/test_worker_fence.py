@@ -26,11 +26,10 @@ from celery.worker.state import reserved_requests, task_reserved
 
 import celery_sched
 from celery_sched import fence, tracking
-from celery_sched.dispatch import HEADER_ATTEMPT
 from celery_sched.models import JobStatus
+from celery_sched.protocol import ATTEMPT_HEADER
 from celery_sched.settings import Settings
-from celery_sched.store.ledger_postgres import PostgresLedger
-from celery_sched.store.postgres import PostgresJobStore
+from celery_sched.store.postgres import PostgresJobStore, PostgresLedger
 from tests.contract.conftest import new_job
 
 pytestmark = pytest.mark.integration
@@ -121,7 +120,7 @@ def test_a_late_copy_of_a_requeued_job_nobody_started_takes_it_over(
     late = _request(app, requeued, "slow", attempt=0)
     late.execute_using_pool(pool)
     pool.apply_async.assert_called_once()
-    assert late._request_dict[HEADER_ATTEMPT] == 2  # what the pool child sees
+    assert late._request_dict[ATTEMPT_HEADER] == 2  # what the pool child sees
     row = store.get("slow")
     assert row is not None and (row.status, row.attempt, row.worker) == (JobStatus.RUNNING, 2, None)
     own = _request(app, requeued, "slow", attempt=1)

@@ -12,9 +12,9 @@ from amqp.exceptions import FrameSyntaxError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_sched.dispatch import base_headers, message_headers
 from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder
 from celery_sched.models import Job, JobStatus
+from celery_sched.protocol import base_headers, message_headers
 from celery_sched.timeutil import to_bucket
 
 _names = st.text(min_size=0, max_size=20)

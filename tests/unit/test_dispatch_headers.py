@@ -8,10 +8,10 @@ import uuid
 
 from celery import Celery
 
-from celery_sched.dispatch import (
-    HEADER_ATTEMPT,
-    HEADER_EPOCH,
-    HEADER_KEY,
+from celery_sched.protocol import (
+    ATTEMPT_HEADER,
+    EPOCH_HEADER,
+    KEY_HEADER,
     base_headers,
     message_headers,
 )
@@ -19,7 +19,7 @@ from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
 from celery_sched.validation import JobBuilder
 
-OURS = {HEADER_KEY, HEADER_ATTEMPT, HEADER_EPOCH, "celery_beat_task"}
+OURS = {KEY_HEADER, ATTEMPT_HEADER, EPOCH_HEADER, "celery_beat_task"}
 
 
 def _stored(app: Celery, **options: object) -> tuple[object, dict[str, object]]:
@@ -69,7 +69,7 @@ def test_headers_match_celerys_as_task_v2() -> None:
     ours = message_headers(base_headers(origin="celery_sched@test", epoch=3), job, str(job.id))  # type: ignore[arg-type]
     theirs = _celery_headers(app, job)
     assert {k: v for k, v in ours.items() if k not in OURS} == theirs
-    assert ours[HEADER_KEY] == "k1" and ours[HEADER_EPOCH] == 3 and ours["celery_beat_task"]
+    assert ours[KEY_HEADER] == "k1" and ours[EPOCH_HEADER] == 3 and ours["celery_beat_task"]
 
 
 def test_headers_with_limits_and_expiry_match_celery() -> None:
@@ -98,8 +98,8 @@ def test_a_stored_headers_option_never_overrides_protocol_fields() -> None:
         "timelimit": [1, 1],
         "parent_id": "p",
         "task": "evil.task",
-        HEADER_EPOCH: 999,
-        HEADER_ATTEMPT: 999,
+        EPOCH_HEADER: 999,
+        ATTEMPT_HEADER: 999,
         "celery_sched_failures": 7,
     }
     job = dataclasses.replace(job, options={"headers": hostile})  # type: ignore[type-var]
@@ -112,5 +112,5 @@ def test_a_stored_headers_option_never_overrides_protocol_fields() -> None:
     )
     assert ours == clean
     assert ours["tenant"] == "a" and "celery_sched_failures" not in ours
-    assert (ours["eta"], ours["retries"], ours["shadow"], ours[HEADER_EPOCH]) == (None, 0, None, 3)
+    assert (ours["eta"], ours["retries"], ours["shadow"], ours[EPOCH_HEADER]) == (None, 0, None, 3)
     assert base == base_headers(origin="celery_sched@test", epoch=3)  # not mutated

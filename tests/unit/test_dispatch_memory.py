@@ -1,4 +1,9 @@
-"""MemoryDispatcher: the fake the engine's unit tests publish through."""
+"""MemoryDispatcher: the fake the engine's unit tests publish through.
+
+What it shares with the Kombu dispatcher (headers, expiry, routing, results)
+is the Dispatcher contract (``tests/contract/test_dispatcher_contract.py``);
+here are the fake's own record and its test controls.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ from typing import Any
 import pytest
 from kombu.serialization import dumps
 
-from celery_sched.dispatch import base_headers, message_headers
 from celery_sched.dispatch.memory import MemoryDispatcher
 from celery_sched.models import Job, JobStatus
 from celery_sched.timeutil import to_bucket
@@ -37,34 +41,16 @@ def job(*, options: dict[str, Any] | None = None, expires_at: dt.datetime | None
     )
 
 
-def test_records_messages_with_protocol_headers() -> None:
+def test_records_where_each_message_would_go() -> None:
     dispatcher = MemoryDispatcher(origin="celery_sched@unit")
-    a, b = job(), job(options={"queue": "q2", "priority": 3, "headers": {"x": 1}})
-    result = dispatcher.publish([a, b], epoch=9, now=NOW)
-    assert result.sent == [a.id, b.id] and result.failed == [] and result.expired == []
+    a, b = job(), job(options={"queue": "q2", "priority": 3})
+    dispatcher.publish([a, b], epoch=9, now=NOW)
     first, second = dispatcher.messages
-    assert first.headers["id"] == first.headers["root_id"] == str(a.id)
-    assert first.headers["task"] == "proj.add"
-    assert first.headers["celery_sched_key"] == a.key
-    assert first.headers["celery_sched_attempt"] == 1
-    assert first.headers["celery_sched_epoch"] == 9
-    assert first.headers["celery_beat_task"] is True
-    assert first.headers["origin"] == "celery_sched@unit"
-    assert first.queue == "celery" and first.routing_key == "celery"
-    assert second.queue == "q2" and second.priority == 3 and second.headers["x"] == 1
-    assert second.body == b.body
-
-
-def test_expired_jobs_are_not_sent_and_boundary_counts_as_expired() -> None:
-    dispatcher = MemoryDispatcher()
-    live = job(expires_at=NOW + dt.timedelta(microseconds=1))
-    at_now = job(expires_at=NOW)
-    past = job(expires_at=NOW - dt.timedelta(hours=1))
-    result = dispatcher.publish([live, at_now, past], epoch=1, now=NOW)
-    assert result.sent == [live.id]
-    assert result.expired == [at_now.id, past.id]
-    assert dispatcher.sent_ids() == [live.id]
-    assert dispatcher.messages[0].headers["expires"] == live.expires_at.isoformat()  # type: ignore[union-attr]
+    assert (first.queue, first.exchange, first.routing_key) == ("celery", "", "celery")
+    assert first.priority is None and first.epoch == 9 and first.task == "proj.add"
+    assert (second.queue, second.routing_key, second.priority) == ("q2", "q2", 3)
+    assert dispatcher.sent_ids() == [a.id, b.id]
+    assert dispatcher.publish_calls == 1
 
 
 def test_fail_next_fails_that_many_messages_then_recovers() -> None:
@@ -78,26 +64,29 @@ def test_fail_next_fails_that_many_messages_then_recovers() -> None:
     assert dispatcher.sent_ids() == [jobs[3].id, jobs[4].id]
 
 
-def test_expiry_wins_over_failure_and_down_fails_all() -> None:
+def test_down_fails_every_message_until_lifted() -> None:
     dispatcher = MemoryDispatcher()
     dispatcher.set_down()
-    gone, normal = job(expires_at=NOW), job()
-    result = dispatcher.publish([gone, normal], epoch=1, now=NOW)
-    assert result.expired == [gone.id] and result.failed == [normal.id] and result.sent == []
+    normal = job()
+    assert dispatcher.publish([normal], epoch=1, now=NOW).failed == [normal.id]
     dispatcher.set_down(False)
     assert dispatcher.publish([normal], epoch=1, now=NOW).sent == [normal.id]
 
 
+def test_a_rejected_job_fails_alone_until_accepted() -> None:
+    dispatcher = MemoryDispatcher()
+    bad, good = job(), job()
+    dispatcher.reject(bad.id, "no such queue")
+    result = dispatcher.publish([bad, good], epoch=1, now=NOW)
+    assert result.rejected == {bad.id: "no such queue"} and result.sent == [good.id]
+    dispatcher.accept(bad.id)
+    assert dispatcher.publish([bad], epoch=1, now=NOW).sent == [bad.id]
+
+
 def test_closed_dispatcher_refuses_to_publish() -> None:
+    # Only the fake refuses: the Kombu dispatcher reconnects, so the contract
+    # leaves a publish after close() open.
     dispatcher = MemoryDispatcher()
     dispatcher.close()
     with pytest.raises(RuntimeError):
         dispatcher.publish([job()], epoch=1, now=NOW)
-
-
-def test_job_headers_cannot_override_protocol_fields() -> None:
-    j = job(options={"headers": {"id": "forged", "task": "evil", "extra": True}, "time_limit": 5})
-    headers = message_headers(base_headers(origin="o", epoch=2), j, str(j.id))
-    assert headers["id"] == str(j.id) and headers["task"] == "proj.add"
-    assert headers["extra"] is True
-    assert headers["timelimit"] == [5, None]

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from kombu import Connection, Producer
 
-from celery_sched.dispatch.kombu import Route, _Message, _RedisEnvelopes
+from celery_sched.dispatch.kombu import Route, _Message
+from celery_sched.protocol import RedisEnvelopes
 
 
 def route(queue: str, delivery_mode: int | None = 2) -> Route:
@@ -79,7 +80,7 @@ def message(route: Route, **fields: Any) -> _Message:
     ],
 )
 def test_envelope_matches_kombu(fields: dict[str, Any], priority: int) -> None:
-    envelopes = _RedisEnvelopes("reply-to-oid")
+    envelopes = RedisEnvelopes("reply-to-oid")
     # The first message of a route fills the caches, the second reuses them.
     for _ in range(2):
         msg = message(route("celery"), **fields)
@@ -91,7 +92,7 @@ def test_envelope_matches_kombu(fields: dict[str, Any], priority: int) -> None:
 
 
 def test_routes_priorities_and_tags_do_not_leak_between_messages() -> None:
-    envelopes = _RedisEnvelopes("oid")
+    envelopes = RedisEnvelopes("oid")
     a, b = route("a", delivery_mode=2), route("b", delivery_mode=1)
     encoded = [
         json.loads(envelopes.encode(message(r), priority))

@@ -15,8 +15,8 @@ from celery.exceptions import Retry
 from celery.schedules import crontab
 
 import celery_sched
+from celery_sched import backends, tracking
 from celery_sched import task as task_module
-from celery_sched import tracking
 from celery_sched.client import Client
 from celery_sched.errors import ConfigurationError, InvalidJob, LedgerConflict, StoreUnavailable
 from celery_sched.models import ClaimOutcome, JobStatus, LedgerState
@@ -564,7 +564,7 @@ def test_binding_a_task_installs_status_tracking() -> None:
         return None
 
     app.finalize()
-    assert app in tracking._installed
+    assert "celery_sched.tracking" in backends.worker_side(app).installed
 
 
 def test_a_schedule_option_becomes_the_periodic_schedule(env: Env) -> None:

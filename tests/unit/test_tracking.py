@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_sched import tracking
+from celery_sched import backends, tracking
 from celery_sched.errors import StoreError, StoreUnavailable
 from celery_sched.models import JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
@@ -396,7 +396,7 @@ def test_a_writer_whose_thread_died_is_replaced_and_its_reports_written(
     app, store = app_and_store
     job_id = _dispatched(store, "orphaned-report")
     tracking.flush_all()
-    tracking._writers.pop(id(app), None)
+    backends.worker_side(app).writer = None
     # A thread that ends at once stands in for one killed by a bug.
     monkeypatch.setattr(tracking.StatusWriter, "_run", lambda self: None)
     dead = tracking.writer_for(app)

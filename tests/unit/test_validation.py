@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kombu.serialization import dumps, loads
 
-from celery_sched.dispatch import RESERVED_HEADERS, base_headers, is_reserved_header
 from celery_sched.errors import (
     AmbiguousTime,
     InvalidArguments,
@@ -30,15 +29,12 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
+from celery_sched.ids import UUID7Source
 from celery_sched.models import DUE_LIMIT, EMPTY_OPTIONS, MAX_SECONDS, NEW_JOB_ROW, NewJob
+from celery_sched.protocol import MAX_KEY_LENGTH, RESERVED_HEADERS, base_headers, is_reserved_header
 from celery_sched.schedules import occurrence_key
 from celery_sched.settings import Settings
-from celery_sched.validation import (
-    MAX_KEY_LENGTH,
-    JobBuilder,
-    UUID7Source,
-    is_occurrence_key,
-)
+from celery_sched.validation import JobBuilder, is_occurrence_key
 
 UTC = dt.UTC
 NOW = dt.datetime(2024, 6, 1, 12, 0, tzinfo=UTC)
