@@ -396,7 +396,7 @@ class ScheduleManager:
         now = self._store.now()
         # One spec builder for the batch: make_spec sets one up per call (the
         # app's settings and a job validator), which dominates a large batch.
-        specs = schedules._SpecBuilder(self._client.app)
+        specs = schedules.SpecBuilder(self._client.app)
         rows: list[NewSchedule] = []
         for index, entry in enumerate(entries):
             values = dict(entry)
@@ -479,7 +479,7 @@ class ScheduleManager:
         ``skip`` and an occurrence of it is due or running. Works on paused
         schedules too.
         """
-        from celery_sched.planner import occurrence_job
+        from celery_sched.schedules.rows import occurrence_job
 
         row = self._existing(name, changing=False)
         now = self._store.now()
@@ -538,7 +538,7 @@ class ScheduleManager:
         by default :func:`celery_sched.schedules.make_spec` builds one.
         """
         from celery_sched import schedules
-        from celery_sched.planner import schedule_row
+        from celery_sched.schedules.rows import schedule_row
 
         # The spec builder checks every value, these two included.
         name: Any = fields.get("name")
@@ -578,7 +578,7 @@ class ScheduleManager:
         import celery.schedules
 
         from celery_sched import schedules
-        from celery_sched.planner import spec_of
+        from celery_sched.schedules.rows import spec_of
 
         args, kwargs = _decode(row, self._client.accept)
         value: Any

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from celery_sched.models import Job, JobStatus, _JobDraft, jobs_from_rows
+from celery_sched.models import Job, JobStatus, jobs_from_rows
+from celery_sched.models.jobs import _JobDraft
 
 NOW = dt.datetime(2024, 6, 1, 12, 0, tzinfo=dt.UTC)
 

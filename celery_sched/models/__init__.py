@@ -1,0 +1,115 @@
+"""Frozen value objects shared by every part. No I/O here.
+
+One module per subject: :mod:`~celery_sched.models.jobs`,
+:mod:`~celery_sched.models.schedules`, :mod:`~celery_sched.models.ledger`,
+:mod:`~celery_sched.models.reports` (worker reports, reconciler results),
+:mod:`~celery_sched.models.leases`, and :mod:`~celery_sched.models.checks`
+(the bounds and the aware-UTC check they share). Every public name is
+importable from here.
+"""
+
+from __future__ import annotations
+
+from celery_sched.models.checks import DUE_LIMIT, MAX_INT32, MAX_SECONDS
+from celery_sched.models.jobs import (
+    DEFAULT_ACCEPT,
+    EMPTY_OPTIONS,
+    FINISHED_STATUSES,
+    JOB_FIELDS,
+    MESSAGE_OPTIONS,
+    NEW_JOB_ROW,
+    Job,
+    JobStatus,
+    NewJob,
+    NewJobRow,
+    accepted_content_types,
+    decode_body,
+    id_of_key,
+    jobs_from_rows,
+)
+from celery_sched.models.leases import Lease
+from celery_sched.models.ledger import (
+    ADOPTABLE_STATUSES,
+    FENCED_STATUSES,
+    ClaimOutcome,
+    DeliveryCheck,
+    LedgerClaim,
+    LedgerEntry,
+    LedgerState,
+    delivery_fence,
+)
+from celery_sched.models.reports import (
+    REPORT_ERROR_LIMIT,
+    REPORT_RETRY_IN_LIMIT,
+    REPORT_WORKER_LIMIT,
+    WORKER_STATUSES,
+    ReconcileResult,
+    WorkerUpdate,
+    check_retry_in,
+    clean_text,
+)
+from celery_sched.models.schedules import (
+    SCHEDULE_KINDS,
+    SCHEDULE_SOURCES,
+    UNFINISHED_STATUSES,
+    MisfirePolicy,
+    NewSchedule,
+    OverlapPolicy,
+    PlanCommit,
+    ScheduleAdvance,
+    ScheduleInfo,
+    ScheduleRuns,
+    ScheduleSpec,
+    StoredSchedule,
+    SyncResult,
+)
+
+__all__ = [
+    "ADOPTABLE_STATUSES",
+    "DEFAULT_ACCEPT",
+    "DUE_LIMIT",
+    "EMPTY_OPTIONS",
+    "FENCED_STATUSES",
+    "FINISHED_STATUSES",
+    "JOB_FIELDS",
+    "MAX_INT32",
+    "MAX_SECONDS",
+    "MESSAGE_OPTIONS",
+    "NEW_JOB_ROW",
+    "REPORT_ERROR_LIMIT",
+    "REPORT_RETRY_IN_LIMIT",
+    "REPORT_WORKER_LIMIT",
+    "SCHEDULE_KINDS",
+    "SCHEDULE_SOURCES",
+    "UNFINISHED_STATUSES",
+    "WORKER_STATUSES",
+    "ClaimOutcome",
+    "DeliveryCheck",
+    "Job",
+    "JobStatus",
+    "Lease",
+    "LedgerClaim",
+    "LedgerEntry",
+    "LedgerState",
+    "MisfirePolicy",
+    "NewJob",
+    "NewJobRow",
+    "NewSchedule",
+    "OverlapPolicy",
+    "PlanCommit",
+    "ReconcileResult",
+    "ScheduleAdvance",
+    "ScheduleInfo",
+    "ScheduleRuns",
+    "ScheduleSpec",
+    "StoredSchedule",
+    "SyncResult",
+    "WorkerUpdate",
+    "accepted_content_types",
+    "check_retry_in",
+    "clean_text",
+    "decode_body",
+    "delivery_fence",
+    "id_of_key",
+    "jobs_from_rows",
+]
