@@ -1,10 +1,14 @@
-"""Helpers shared by the dispatch, lag and failover benchmarks.
+"""Helpers shared by the dispatch, lag, failover, periodic, reconcile and
+worker-overhead benchmarks.
 
 Each benchmark run owns a :class:`Run`: a fresh Postgres schema, a Redis key
 prefix and a queue name, all unique, and removes them in :meth:`Run.cleanup`
 (drop schema, delete only its own Redis keys, delete its queue; never a
-FLUSHALL). Beat processes are real ``celery beat`` subprocesses of
-``benchmarks/legacy_app.py``, configured through the environment.
+FLUSHALL). Beat and worker processes are real ``celery`` subprocesses of the
+apps in this directory, configured through the environment. The process
+harness, the isolation helpers and the polling are those of the end-to-end
+tests (``tests/e2e/harness.py``); run the benchmarks with the project's
+virtualenv, where ``tests`` is importable (an editable install).
 """
 
 from __future__ import annotations
@@ -15,26 +19,29 @@ import datetime as dt
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import redis
 
 from celery_sched.settings import Settings
+from tests.e2e.harness import (
+    CELERY,
+    ROOT,
+    Proc,
+    ProcessGroup,
+    delete_keys,
+    drop_schema,
+    unique_name,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-CELERY = str(Path(sys.executable).with_name("celery"))
 
 PG_URL = os.environ.get(
     "CELERY_SCHED_BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -60,15 +67,6 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
 def rounded(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -76,14 +74,19 @@ def rounded(value: float | None, digits: int = 3) -> float | None:
 # -- one run's isolated resources ---------------------------------------------------
 
 
-class Run:
-    """A schema, Redis prefix, queue and temp dir unique to one benchmark run."""
+class Run(ProcessGroup):
+    """A schema, Redis prefix, queue and temp dir unique to one benchmark run.
+
+    ``name`` is all three: the schema, the key prefix (redbeat's keys too) and
+    the stem of the queue's name.
+    """
 
     def __init__(self, name: str, *, broker: str, **settings: Any) -> None:
-        self.name = f"bench_{name}_{uuid.uuid4().hex[:10]}"
+        self.name = unique_name(f"bench_{name}")
         self.broker = broker_url(broker)
         self.queue = self.name + "_q"
-        self.settings = Settings(
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        run_settings = Settings(
             database_url=PG_URL,
             redis_url=REDIS_URL,
             db_schema=self.name,
@@ -91,91 +94,72 @@ class Run:
             hostname=f"celery_sched@{self.name}",
             **settings,
         )
-        self.dsn = self.settings.libpq_conninfo()
-        self.redis = redis.Redis.from_url(REDIS_URL)
-        self.tmp = Path(tempfile.mkdtemp(prefix=self.name + "_"))
-        self.procs: list[Beat] = []
+        super().__init__(
+            tmp_path=Path(tempfile.mkdtemp(prefix=self.name + "_")),
+            settings=run_settings,
+            env={
+                "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
+                "BENCH_BROKER_URL": self.broker,
+                "BENCH_QUEUE": self.queue,
+                "BENCH_REDIS_URL": REDIS_URL,
+                "BENCH_REDBEAT_PREFIX": self.name + ":redbeat:",
+                "CELERY_SCHED_HOSTNAME": run_settings.hostname,
+            },
+        )
 
     # -- processes --
 
-    def env(self, **extra: str) -> dict[str, str]:
-        s = self.settings
-        return {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
-            "BENCH_BROKER_URL": self.broker,
-            "BENCH_QUEUE": self.queue,
-            "BENCH_REDIS_URL": REDIS_URL,
-            "BENCH_REDBEAT_PREFIX": self.name + ":redbeat:",
-            "CELERY_SCHED_DATABASE_URL": s.database_url,
-            "CELERY_SCHED_REDIS_URL": s.redis_url,
-            "CELERY_SCHED_DB_SCHEMA": s.db_schema,
-            "CELERY_SCHED_KEY_PREFIX": s.key_prefix,
-            "CELERY_SCHED_HOSTNAME": s.hostname,
-            "CELERY_SCHED_LEASE_TTL": str(s.lease_ttl),
-            "CELERY_SCHED_VISIBILITY_TIMEOUT": str(s.visibility_timeout),
-            "CELERY_SCHED_SWEEP_INTERVAL": str(s.sweep_interval),
-            "CELERY_SCHED_RECONCILE_INTERVAL": str(s.reconcile_interval),
-            "CELERY_SCHED_STAGING_WINDOW": str(s.staging_window),
-            "CELERY_SCHED_BATCH_SIZE": str(s.batch_size),
-            **extra,
-        }
-
     def start_beat(
-        self, name: str, *, scheduler: str = "celery_sched", loglevel: str = "INFO", **env: str
-    ) -> Beat:
-        """A real ``celery beat`` subprocess; output goes to a log file."""
-        log = self.tmp / f"{name}.log"
-        with log.open("wb") as handle:
-            popen = subprocess.Popen(
-                [
-                    CELERY,
-                    "-A",
-                    "legacy_app",
-                    "beat",
-                    "-S",
-                    scheduler,
-                    f"--loglevel={loglevel}",
-                    "-s",
-                    str(self.tmp / f"{name}-schedule"),
-                    "--pidfile=",
-                ],
-                cwd=ROOT,
-                env=self.env(**env),
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        beat = Beat(name, popen, log)
-        self.procs.append(beat)
-        return beat
+        self,
+        name: str,
+        *,
+        app: str = "legacy_app",
+        scheduler: str = "celery_sched",
+        loglevel: str = "INFO",
+        **env: str,
+    ) -> Proc:
+        """A real ``celery -A <app> beat -S <scheduler>`` subprocess."""
+        return self._spawn(
+            name,
+            [
+                CELERY,
+                "-A",
+                app,
+                "beat",
+                "-S",
+                scheduler,
+                f"--loglevel={loglevel}",
+                "-s",
+                str(self.tmp_path / f"{name}-schedule"),
+                "--pidfile=",
+            ],
+            env,
+        )
+
+    def start_worker(self, name: str, *, app: str, pool: str, concurrency: int, **env: str) -> Proc:
+        """A real ``celery -A <app> worker`` subprocess consuming the run's queue."""
+        return self._spawn(
+            name,
+            [
+                CELERY,
+                "-A",
+                app,
+                "worker",
+                f"--pool={pool}",
+                f"--concurrency={concurrency}",
+                "-Q",
+                self.queue,
+                "-n",
+                f"{name}.{self.name}@%h",
+                "--without-heartbeat",
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel=WARNING",
+            ],
+            env,
+        )
 
     # -- Postgres --
-
-    def connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.dsn, autocommit=True)
-
-    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-        with self.connect() as conn:
-            return conn.execute(sql.replace("{s}", f'"{self.name}"'), params).fetchall()
-
-    def execute(self, sql: str, *params: Any) -> None:
-        with self.connect() as conn:
-            conn.execute(sql.replace("{s}", f'"{self.name}"'), params)
-
-    def leader(self) -> tuple[int, str] | None:
-        try:
-            rows = self.query("SELECT epoch, holder FROM {s}.leaders WHERE shard = 0")
-        except psycopg.errors.UndefinedTable:
-            return None
-        return (int(rows[0][0]), str(rows[0][1])) if rows else None
-
-    def leader_beat(self) -> Beat | None:
-        current = self.leader()
-        if current is None:
-            return None
-        pid = int(current[1].rsplit(":", 1)[-1])
-        return next((b for b in self.procs if b.pid == pid), None)
 
     def dispatched_span(self) -> tuple[dt.datetime | None, dt.datetime | None, int]:
         row = self.query(
@@ -185,19 +169,13 @@ class Run:
 
     # -- cleanup --
 
-    def stop_all(self) -> None:
-        for beat in self.procs:
-            beat.stop()
-
     def cleanup(self, *, keep_logs: bool = False) -> None:
         """Remove everything this run created (best effort, never FLUSHALL)."""
         self.stop_all()
-        with contextlib.suppress(Exception), self.connect() as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{self.name}" CASCADE')
         with contextlib.suppress(Exception):
-            keys = list(self.redis.scan_iter(match=self.name + "*", count=1000))
-            for start in range(0, len(keys), 1000):
-                self.redis.delete(*keys[start : start + 1000])
+            drop_schema(self.dsn, self.schema)
+        with contextlib.suppress(Exception):
+            delete_keys(self.redis, self.name)
         with contextlib.suppress(Exception):
             delete_queue(self.broker, self.queue)
         with contextlib.suppress(Exception):
@@ -209,41 +187,7 @@ class Run:
         with contextlib.suppress(Exception):
             self.redis.close()
         if not keep_logs:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-class Beat:
-    """One beat subprocess."""
-
-    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path) -> None:
-        self.name = name
-        self.popen = popen
-        self.log = log
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        if self.alive():
-            os.kill(self.pid, signal.SIGKILL)
-            self.popen.wait(10)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if not self.alive():
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(5)
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+            shutil.rmtree(self.tmp_path, ignore_errors=True)
 
 
 # -- the broker side -----------------------------------------------------------------
@@ -468,17 +412,6 @@ class RawConsumer(threading.Thread):
         for received, items in self._raw:
             for payload in items:
                 yield decode(payload, received)
-
-
-def wait_for(condition: Any, *, timeout: float, interval: float = 0.1, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -24,7 +24,6 @@ import pstats
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +35,7 @@ from celery_sched.models import NewJob
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import COPY_COLUMNS
 from celery_sched.validation import JobBuilder
+from tests.e2e.harness import drop_schema, unique_name
 
 DATABASE_URL = os.environ.get(
     "CELERY_SCHED_BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -86,7 +86,7 @@ def copy_tuple(job: NewJob) -> tuple[Any, ...]:
 
 
 def run_once(app: Celery, n: int, profile: bool, index: int) -> dict[str, float]:
-    schema = f"bench_bulk_{uuid.uuid4().hex[:10]}"
+    schema = unique_name("bench_bulk")
     settings = Settings(database_url=DATABASE_URL, db_schema=schema)
     conninfo = settings.libpq_conninfo()
     start = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
@@ -137,8 +137,7 @@ def run_once(app: Celery, n: int, profile: bool, index: int) -> dict[str, float]
             raw_cpu = time.process_time() - c0
         del prepared
     finally:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        drop_schema(conninfo, schema)
 
     result = {
         "schedule_many_jobs_per_s": n / sched_seconds,

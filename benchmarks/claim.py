@@ -7,7 +7,7 @@ rate must not depend on how many future rows there are (the partial pending
 index is scanned from the oldest due row and stops at the current minute).
 
 Each size is measured with one claim loop, then with as many concurrent loops
-as a leading beat keeps in flight (``celery_sched.engine.CLAIMS_AHEAD``; each
+as a leading beat keeps in flight (``celery_sched.leader.sweeping.CLAIMS_AHEAD``; each
 loop claims on its own connection, SKIP LOCKED keeps their rows apart); fresh
 due rows are loaded for each. The target applies to the beat's way of claiming.
 
@@ -30,17 +30,17 @@ import statistics
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 
-from celery_sched.engine import CLAIMS_AHEAD
+from celery_sched.leader.sweeping import CLAIMS_AHEAD
 from celery_sched.models import NewJob
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
 from celery_sched.validation import UUID7Source
+from tests.e2e.harness import drop_schema, unique_name
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BODY = b'[[1, 2], {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
@@ -130,7 +130,7 @@ def claim_all(
 def run(
     url: str, future: int, due: int, batch: int, claimers: list[int], keys: bool
 ) -> list[dict[str, Any]]:
-    schema = f"bench_claim_{uuid.uuid4().hex[:8]}"
+    schema = unique_name("bench_claim")
     settings = Settings(database_url=url, db_schema=schema, statement_timeout=600.0)
     store = PostgresJobStore(settings)
     results = []
@@ -188,8 +188,7 @@ def run(
         return results
     finally:
         store.close()
-        with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        drop_schema(settings.libpq_conninfo(), schema)
 
 
 def main() -> None:

@@ -42,11 +42,11 @@ from _common import (
     median,
     progress,
     rounded,
-    wait_for,
 )
 from legacy_app import TASK, app
 
 from celery_sched.client import Client
+from tests.e2e.harness import wait_for
 
 TARGET_LOST = 0
 
@@ -111,7 +111,7 @@ def run_once(ns: argparse.Namespace, index: int) -> dict[str, Any]:
             finisher.start()
             consumer.start()
             beats = [run.start_beat("beat-a"), run.start_beat("beat-b")]
-            wait_for(run.leader_beat, timeout=60, what="a leader")
+            wait_for(run.leader_proc, timeout=60, interval=0.1, what="a leader")
             total = int(ns.rate * ns.seconds)
             t0 = time.time()
             first_due = t0 + ns.lead
@@ -132,11 +132,11 @@ def run_once(ns: argparse.Namespace, index: int) -> dict[str, Any]:
         kill_at = first_due + ns.kill_after
         time.sleep(max(0.0, kill_at - time.time()))
         old = run.leader()
-        victim = run.leader_beat()
+        victim = run.leader_proc()
         if old is None or victim is None:
             raise SystemExit("no leader to kill")
         killed_at = time.time()
-        victim.kill()
+        victim.kill_group()
         progress(
             "run %d: killed leader %s (pid %d, epoch %d)", index, victim.name, victim.pid, old[0]
         )

@@ -32,14 +32,13 @@ from _common import (
     emit,
     load_avg,
     median,
-    percentile,
     progress,
     rounded,
-    wait_for,
 )
 from legacy_app import TASK, app
 
 from celery_sched.client import Client
+from tests.e2e.harness import percentile, wait_for
 
 TARGET_P99_MS = 500.0
 
@@ -92,7 +91,7 @@ def run_once(ns: argparse.Namespace, index: int) -> dict[str, Any]:
             )
             consumer.start()
             beat = run.start_beat("beat")
-            wait_for(run.leader, timeout=60, what="a leader")
+            wait_for(run.leader, timeout=60, interval=0.1, what="a leader")
             total = int(ns.rate * ns.seconds)
             t0 = time.time()
             first_due = t0 + ns.lead

@@ -39,32 +39,17 @@ from __future__ import annotations
 import argparse
 import bisect
 import math
-import os
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import psutil
-from _common import (
-    CELERY,
-    HERE,
-    ROOT,
-    Beat,
-    RawConsumer,
-    Received,
-    Run,
-    emit,
-    load_avg,
-    percentile,
-    progress,
-    rounded,
-    wait_for,
-)
+from _common import RawConsumer, Received, Run, emit, load_avg, progress, rounded
 from periodic_app import TASK, app
 
 from celery_sched.client import Client
+from tests.e2e.harness import Proc, percentile, wait_for
 
 TARGET_RSS_RATIO = 1.5
 ON_TIME_TOLERANCE = 1.0
@@ -76,34 +61,6 @@ LEGACY_SCHEDULERS = {
     "beat": "celery.beat:PersistentScheduler",
     "redbeat": "redbeat.RedBeatScheduler",
 }
-
-
-def start_beat(run: Run, name: str, scheduler: str, **env: str) -> Beat:
-    """``celery -A periodic_app beat -S scheduler`` for ``run``; output in a log file."""
-    log = run.tmp / f"{name}.log"
-    with log.open("wb") as handle:
-        popen = subprocess.Popen(
-            [
-                CELERY,
-                "-A",
-                "periodic_app",
-                "beat",
-                "-S",
-                scheduler,
-                "--loglevel=INFO",
-                "-s",
-                str(run.tmp / f"{name}-schedule"),
-                "--pidfile=",
-            ],
-            cwd=ROOT,
-            env={**run.env(**env), "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])},
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    beat = Beat(name, popen, log)
-    run.procs.append(beat)
-    return beat
 
 
 class RssSampler:
@@ -170,7 +127,7 @@ def on_time(
 
 
 def wait_until(
-    deadline: float, sampler: RssSampler | None = None, beat: Beat | None = None
+    deadline: float, sampler: RssSampler | None = None, beat: Proc | None = None
 ) -> None:
     while time.time() < deadline:
         if beat is not None and not beat.alive():
@@ -205,9 +162,11 @@ def run_ours(entries: int, args: argparse.Namespace) -> dict[str, Any]:
         )
         consumer.start()
         spawned = time.monotonic()
-        beat = start_beat(run, "celery_sched", "celery_sched", BENCH_PERIODIC_ENTRIES="0")
+        beat = run.start_beat(
+            "celery_sched", app="periodic_app", scheduler="celery_sched", BENCH_PERIODIC_ENTRIES="0"
+        )
         sampler = RssSampler(beat.pid)
-        wait_for(run.leader, timeout=120, what="a leader")
+        wait_for(run.leader, timeout=120, interval=0.1, what="a leader")
         elected_s = time.monotonic() - spawned
 
         first_row: float | None = None
@@ -265,10 +224,10 @@ def run_legacy(kind: str, entries: int, args: argparse.Namespace) -> dict[str, A
     try:
         t0 = time.time() + 20 + entries / 1000
         consumer.start()
-        beat = start_beat(
-            run,
+        beat = run.start_beat(
             kind,
-            LEGACY_SCHEDULERS[kind],
+            app="periodic_app",
+            scheduler=LEGACY_SCHEDULERS[kind],
             BENCH_PERIODIC_ENTRIES=str(entries),
             BENCH_PERIODIC_EVERY=str(args.every),
             BENCH_PERIODIC_T0=repr(t0),

@@ -28,9 +28,10 @@ import threading
 import time
 from typing import Any
 
-from _common import Run, emit, load_avg, median, percentile, progress, rounded
+from _common import Run, emit, load_avg, median, progress, rounded
 
 from celery_sched.store.postgres import PostgresJobStore
+from tests.e2e.harness import percentile
 
 JOBS_SQL = """
 INSERT INTO {s}.jobs (id, key, task, body, content_type, content_encoding, argsrepr,

@@ -17,6 +17,7 @@ import uuid
 import redis
 
 from celery_sched.staging import RedisStaging
+from tests.e2e.harness import unique_name
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     )
     opts = parser.parse_args()
 
-    prefix = "bench_" + uuid.uuid4().hex[:12]
+    prefix = unique_name("bench_staging")
     client = redis.Redis.from_url(opts.redis_url)
     staging = RedisStaging(client, prefix=prefix)
     now = dt.datetime.now(dt.UTC)

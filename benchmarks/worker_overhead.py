@@ -34,7 +34,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -173,37 +172,16 @@ def publish_jobs(run: Any, mode: int | str, jobs: int, tag: str) -> float:
 
 
 def run_worker(run: Any, mode: str, jobs: int, ns: argparse.Namespace) -> dict[str, Any]:
-    from _common import CELERY, ROOT, Beat
-
-    stamp = run.tmp / f"{mode}-{time.monotonic_ns()}.json"
-    log = run.tmp / f"worker-{mode}.log"
-    args = [
-        CELERY,
-        "-A",
-        "worker_overhead",
-        "worker",
-        f"--pool={ns.pool}",
-        f"--concurrency={ns.concurrency}",
-        "-Q",
-        run.queue,
-        "-n",
-        f"overhead-{mode}-{run.name}@%h",
-        "--without-heartbeat",
-        "--without-gossip",
-        "--without-mingle",
-        "--loglevel=WARNING",
-    ]
-    with log.open("wb") as handle:
-        popen = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=run.env(BENCH_MODE=mode, BENCH_N=str(jobs), BENCH_STAMP=str(stamp)),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    worker = Beat(f"worker-{mode}", popen, log)
-    run.procs.append(worker)
+    stamp = run.tmp_path / f"{mode}-{time.monotonic_ns()}.json"
+    worker = run.start_worker(
+        f"worker-{mode}",
+        app="worker_overhead",
+        pool=ns.pool,
+        concurrency=ns.concurrency,
+        BENCH_MODE=mode,
+        BENCH_N=str(jobs),
+        BENCH_STAMP=str(stamp),
+    )
     deadline = time.monotonic() + 60 + jobs / 50
     try:
         while not stamp.exists():

@@ -1,9 +1,14 @@
-"""Real beat, worker and Flower processes for end-to-end and fault tests.
+"""Real beat, worker and Flower processes, shared by the end-to-end and fault
+tests, the chaos soak and the benchmarks.
 
-A :class:`Cluster` owns one test's schema, Redis prefix and queue; every
-process it starts is a subprocess of the real ``celery`` command running
-``tests.e2e.app`` (or the project named by ``app``), with its output in a log
-file that is printed when the test fails. :class:`RedisServer` and
+A :class:`ProcessGroup` runs subprocesses with one :class:`Settings` (its
+schema and Redis key prefix) and queries that schema; its output goes to a
+log file per process, printed when a test fails. :class:`Cluster` is the
+tests' group: real ``celery`` commands running ``tests.e2e.app`` (or the
+project named by ``app``) on a queue of its own. The benchmarks' runs
+(``benchmarks/_common.py``) are groups too. :func:`unique_name`,
+:func:`drop_schema` and :func:`delete_keys` give a test or a run its private
+schema and key prefix and remove them afterwards; :class:`RedisServer` and
 :func:`private_database` give a run services of its own (the chaos soak
 restarts and terminates them), so faults touch nothing else.
 """
@@ -19,7 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +81,10 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def tail(self, chars: int = 3000) -> str:
+        """The last ``chars`` characters of the output."""
+        return self.output()[-chars:]
+
 
 def spawn(name: str, args: list[str], *, log_dir: Path, env: dict[str, str]) -> Proc:
     """Start ``args`` in a session of its own, output to ``log_dir/<name>.log``."""
@@ -92,51 +101,64 @@ def spawn(name: str, args: list[str], *, log_dir: Path, env: dict[str, str]) -> 
     return Proc(name, popen, log, list(args))
 
 
-class Cluster:
-    """Processes, schema and helpers for one end-to-end test."""
+# -- a schema and key prefix of one's own -------------------------------------------
 
-    def __init__(
-        self,
-        *,
-        tmp_path: Path,
-        settings: Settings,
-        broker_url: str,
-        queue: str,
-        extra_env: dict[str, str] | None = None,
-        app: str = "tests.e2e.app",
-    ) -> None:
+
+def unique_name(prefix: str = "t") -> str:
+    """``<prefix>_<12 hex digits>``: a schema, Redis key prefix and queue stem
+    nobody else uses."""
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+def drop_schema(database_url: str, schema: str) -> None:
+    """``DROP SCHEMA ... CASCADE`` (``database_url`` in SQLAlchemy or libpq form)."""
+    with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def delete_keys(client: redis.Redis, prefix: str) -> int:
+    """Delete every key whose name starts with ``prefix`` (SCAN, never FLUSHALL:
+    other tests and runs share the server); returns how many there were."""
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    for start in range(0, len(keys), 1000):
+        client.delete(*keys[start : start + 1000])
+    return len(keys)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The ``CELERY_SCHED_*`` variables that give a subprocess ``settings``
+    (the fields tests and benchmarks change; the others keep their defaults)."""
+    return {
+        "CELERY_SCHED_DATABASE_URL": settings.database_url,
+        "CELERY_SCHED_REDIS_URL": settings.redis_url,
+        "CELERY_SCHED_DB_SCHEMA": settings.db_schema,
+        "CELERY_SCHED_KEY_PREFIX": settings.key_prefix,
+        "CELERY_SCHED_LEASE_TTL": str(settings.lease_ttl),
+        "CELERY_SCHED_VISIBILITY_TIMEOUT": str(settings.visibility_timeout),
+        "CELERY_SCHED_SWEEP_INTERVAL": str(settings.sweep_interval),
+        "CELERY_SCHED_RECONCILE_INTERVAL": str(settings.reconcile_interval),
+        "CELERY_SCHED_STAGING_WINDOW": str(settings.staging_window),
+        "CELERY_SCHED_BATCH_SIZE": str(settings.batch_size),
+    }
+
+
+# -- processes sharing one schema ----------------------------------------------------
+
+
+class ProcessGroup:
+    """Subprocesses run with one :class:`Settings`, and queries of its schema.
+
+    ``env`` is added to the environment of every process, after the
+    ``CELERY_SCHED_*`` variables of ``settings``.
+    """
+
+    def __init__(self, *, tmp_path: Path, settings: Settings, env: dict[str, str]) -> None:
         self.tmp_path = tmp_path
-        self.app = app
         self.settings = settings
-        self.broker_url = broker_url
-        self.queue = queue
         self.dsn = settings.libpq_conninfo()
         self.schema = settings.db_schema
         self.procs: list[Proc] = []
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "E2E_BROKER_URL": broker_url,
-            "E2E_QUEUE": queue,
-            "E2E_PG_DSN": self.dsn,
-            "CELERY_SCHED_DATABASE_URL": settings.database_url,
-            "CELERY_SCHED_REDIS_URL": settings.redis_url,
-            "CELERY_SCHED_DB_SCHEMA": settings.db_schema,
-            "CELERY_SCHED_KEY_PREFIX": settings.key_prefix,
-            "CELERY_SCHED_LEASE_TTL": str(settings.lease_ttl),
-            "CELERY_SCHED_VISIBILITY_TIMEOUT": str(settings.visibility_timeout),
-            "CELERY_SCHED_SWEEP_INTERVAL": str(settings.sweep_interval),
-            "CELERY_SCHED_RECONCILE_INTERVAL": str(settings.reconcile_interval),
-            "CELERY_SCHED_STAGING_WINDOW": str(settings.staging_window),
-            "CELERY_SCHED_BATCH_SIZE": str(settings.batch_size),
-            **(extra_env or {}),
-        }
-        with self.connect() as conn:
-            conn.execute(
-                f'CREATE TABLE IF NOT EXISTS "{self.schema}".e2e_runs '
-                "(task_id text, job_key text, tag text, due double precision, "
-                "ran double precision, worker text)"
-            )
+        self.env = {**os.environ, **settings_env(settings), **env}
 
     # -- processes ----------------------------------------------------------
 
@@ -150,6 +172,86 @@ class Cluster:
         """Start ``proc``'s command again as ``name`` (its own log), as a
         supervisor would after it died."""
         return self._spawn(name, proc.args, proc.env)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.alive():
+                proc.signal(signal.SIGCONT)
+                proc.stop()
+
+    def dump_logs(self) -> str:
+        parts = []
+        for proc in self.procs:
+            parts.append(
+                f"===== {proc.name} (pid {proc.pid}, rc {proc.popen.poll()})\n{proc.tail(6000)}"
+            )
+        return "\n".join(parts)
+
+    # -- database -----------------------------------------------------------
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        """Rows of ``sql``, in which ``{s}`` names the schema."""
+        with self.connect() as conn:
+            return conn.execute(sql.replace("{s}", f'"{self.schema}"'), params).fetchall()
+
+    def execute(self, sql: str, *params: Any) -> None:
+        with self.connect() as conn:
+            conn.execute(sql.replace("{s}", f'"{self.schema}"'), params)
+
+    def leader(self) -> tuple[int, str] | None:
+        """(epoch, holder) of shard 0's lease; None before a beat has migrated or led."""
+        try:
+            rows = self.query("SELECT epoch, holder FROM {s}.leaders WHERE shard = 0")
+        except psycopg.errors.UndefinedTable:
+            return None
+        return (int(rows[0][0]), str(rows[0][1])) if rows else None
+
+    def leader_proc(self) -> Proc | None:
+        current = self.leader()
+        if current is None:
+            return None
+        pid = int(current[1].rsplit(":", 1)[-1])
+        return next((p for p in self.procs if p.pid == pid), None)
+
+
+class Cluster(ProcessGroup):
+    """Processes, schema and helpers for one end-to-end test."""
+
+    def __init__(
+        self,
+        *,
+        tmp_path: Path,
+        settings: Settings,
+        broker_url: str,
+        queue: str,
+        extra_env: dict[str, str] | None = None,
+        app: str = "tests.e2e.app",
+    ) -> None:
+        self.app = app
+        self.broker_url = broker_url
+        self.queue = queue
+        super().__init__(
+            tmp_path=tmp_path,
+            settings=settings,
+            env={
+                "PYTHONPATH": str(ROOT),
+                "E2E_BROKER_URL": broker_url,
+                "E2E_QUEUE": queue,
+                "E2E_PG_DSN": settings.libpq_conninfo(),
+                **(extra_env or {}),
+            },
+        )
+        with self.connect() as conn:
+            conn.execute(
+                f'CREATE TABLE IF NOT EXISTS "{self.schema}".e2e_runs '
+                "(task_id text, job_key text, tag text, due double precision, "
+                "ran double precision, worker text)"
+            )
+
+    # -- processes ----------------------------------------------------------
 
     def start_beat(self, name: str = "beat", **env: str) -> Proc:
         return self._spawn(
@@ -214,27 +316,7 @@ class Cluster:
             {"FLOWER_UNAUTHENTICATED_API": "true"},
         )
 
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.alive():
-                proc.signal(signal.SIGCONT)
-                proc.stop()
-
-    def dump_logs(self) -> str:
-        parts = []
-        for proc in self.procs:
-            tail = proc.output()[-6000:]
-            parts.append(f"===== {proc.name} (pid {proc.pid}, rc {proc.popen.poll()})\n{tail}")
-        return "\n".join(parts)
-
-    # -- database -----------------------------------------------------------
-
-    def connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.dsn, autocommit=True)
-
-    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-        with self.connect() as conn:
-            return conn.execute(sql.replace("{s}", f'"{self.schema}"'), params).fetchall()
+    # -- what the e2e app recorded ------------------------------------------
 
     def runs(self) -> list[tuple[str, str, float, float]]:
         """(task_id, job_key, due, ran) of every recorded execution."""
@@ -244,43 +326,29 @@ class Cluster:
     def run_count(self) -> int:
         return int(self.query("SELECT count(*) FROM {s}.e2e_runs")[0][0])
 
-    def leader(self) -> tuple[int, str] | None:
-        rows = self.query("SELECT epoch, holder FROM {s}.leaders WHERE shard = 0")
-        return (int(rows[0][0]), str(rows[0][1])) if rows else None
-
-    def leader_proc(self) -> Proc | None:
-        current = self.leader()
-        if current is None:
-            return None
-        pid = int(current[1].rsplit(":", 1)[-1])
-        return next((p for p in self.procs if p.pid == pid), None)
-
 
 def wait_for(
     condition: Callable[[], Any], *, timeout: float, interval: float = 0.2, what: str = ""
 ) -> Any:
-    """Poll ``condition`` until it returns something truthy, or fail."""
+    """Poll ``condition`` until it returns something truthy; raise
+    :class:`TimeoutError` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(interval)
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
+    if not values:
+        return None
     ordered = sorted(values)
-    if not ordered:
-        return float("nan")
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
-
-
-def iter_lags(runs: list[tuple[str, str, float, float]]) -> Iterator[float]:
-    for _task_id, _key, due, ran in runs:
-        yield ran - due
 
 
 # -- services of a run's own ------------------------------------------------------

@@ -1,13 +1,20 @@
-"""The repository's own furniture: compose file, README, scripts, example app."""
+"""The repository's own furniture: compose file, README, scripts, example app.
+
+Whether Docker Compose itself accepts the compose file needs its CLI:
+``tests/integration/test_compose.py``.
+"""
 
 from __future__ import annotations
 
 import ast
+import io
 import os
+import re
 import runpy
-import shutil
 import subprocess
 import sys
+import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,42 +42,6 @@ def test_compose_has_every_service() -> None:
     assert services["rabbitmq"]["image"] == "rabbitmq:3-management"
     for name in ("postgres", "redis", "rabbitmq"):
         assert services[name]["healthcheck"]["test"], name
-
-
-def _compose_command() -> list[str]:
-    """``docker compose`` (the v2 plugin) or the standalone ``docker-compose``."""
-    plugin = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
-    if plugin.returncode == 0:
-        return ["docker", "compose"]
-    standalone = shutil.which("docker-compose")
-    assert standalone, (
-        "neither 'docker compose' nor 'docker-compose' is installed: scripts/bootstrap.sh "
-        "installs Debian's docker-compose when run as root"
-    )
-    return [standalone]
-
-
-def test_compose_file_is_valid_for_docker_compose(tmp_path: Path) -> None:
-    """``docker compose config`` accepts the file (no engine needed) and reads
-    back the services the other tests check; a broken copy is refused."""
-    command = _compose_command()
-    checked = subprocess.run(
-        [*command, "-f", str(ROOT / "docker-compose.yml"), "config"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
-    )
-    assert checked.returncode == 0, checked.stderr
-    assert set(yaml.safe_load(checked.stdout)["services"]) == set(_compose()["services"])
-    broken = tmp_path / "docker-compose.yml"
-    broken.write_text(
-        (ROOT / "docker-compose.yml").read_text().replace("replicas: 2", "replicas: two", 1)
-    )
-    refused = subprocess.run(
-        [*command, "-f", str(broken), "config"], capture_output=True, check=False, cwd=ROOT
-    )
-    assert refused.returncode != 0
 
 
 def test_compose_runs_two_beats_after_migration() -> None:
@@ -152,3 +123,36 @@ def test_example_project_is_found_by_celery() -> None:
         "proj.tasks.send_reminder",
     ]
     assert out.strip() == f"proj {expected}"
+
+
+#: A file a comment cites: a path with a known extension, or one under a top-level folder.
+_CITED_PATH = re.compile(
+    r"(?<![\w./:-])("
+    r"(?:[\w.-]+/)*[\w-]+\.(?:py|md|sh|sql|lua|yml|yaml|toml|json|ini|cfg|mako)"
+    r"|(?:celery_sched|tests|benchmarks|scripts|examples)/[\w./-]*"
+    r")(?!\w)"
+)
+
+
+def _comments_and_docstrings(source: str) -> Iterator[tuple[int, str]]:
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring:
+                yield node.body[0].lineno, docstring
+
+
+def test_comments_in_tests_and_benchmarks_cite_files_that_exist() -> None:
+    """A path in a comment or docstring names a file or folder of the
+    repository (from its root, or from the citing file's folder)."""
+    missing = []
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
+        for line, text in _comments_and_docstrings(path.read_text()):
+            for match in _CITED_PATH.finditer(text):
+                cited = match.group(1).rstrip(".,;:")
+                if not any((base / cited).exists() for base in (ROOT, path.parent)):
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {cited}")
+    assert not missing, missing
