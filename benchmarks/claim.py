@@ -35,11 +35,11 @@ from typing import Any
 
 import psycopg
 
+from celery_sched.ids import UUID7Source
 from celery_sched.leader.sweeping import CLAIMS_AHEAD
 from celery_sched.models import NewJob
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
-from celery_sched.validation import UUID7Source
 from tests.e2e.harness import drop_schema, unique_name
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

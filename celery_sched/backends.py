@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import socket
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_sched.errors import ConfigurationError
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from celery_sched.client import Client
     from celery_sched.fence import DeliveryFence
     from celery_sched.interfaces import Dispatcher, JobStore, LeaseBackend, Ledger, Staging
+    from celery_sched.leader import Engine
+    from celery_sched.models import ScheduleSpec
     from celery_sched.task import TaskRuntime
     from celery_sched.tracking import StatusWriter
 
@@ -80,12 +83,47 @@ def build_ledger(settings: Settings, store: JobStore | None = None) -> Ledger:
     Given the PostgreSQL job store of the same settings, the ledger shares
     its connection pool; otherwise it builds (and closes) a store of its own.
     """
-    from celery_sched.store.ledger_postgres import PostgresLedger
-    from celery_sched.store.postgres import PostgresJobStore
+    from celery_sched.store.postgres import PostgresJobStore, PostgresLedger
 
     if isinstance(store, PostgresJobStore) and store.settings == settings:
         return PostgresLedger(store)
     return PostgresLedger(PostgresJobStore(settings), owns_store=True)
+
+
+def build_leader(
+    app: Any, settings: Settings, *, store: JobStore, static: Sequence[ScheduleSpec]
+) -> Engine:
+    """Assemble this process's leader for ``settings.shard``, not yet started.
+
+    ``store`` is the job store the caller opened (and migrated); the elector
+    bumps its epochs, and the ledger shares its pool. The rest is built here
+    from ``settings``: the Redis lease and staging (one client), the broker
+    dispatcher, the idempotency ledger, and the planner of ``static`` (the
+    code's periodic schedules). Connects to nothing until used. Call
+    :meth:`Engine.start` to compete for the lease.
+    """
+    from celery_sched.leader import Engine
+    from celery_sched.leader.planning import Planner
+    from celery_sched.lease.elector import LeaderElector
+
+    redis_client = build_redis(settings)
+    elector = LeaderElector(
+        build_lease(settings, redis_client),
+        shard=settings.shard,
+        ttl=settings.lease_ttl,
+        safety_margin=settings.lease_safety_margin,
+        acquire_epoch=store.acquire_epoch,
+        holder=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    return Engine(
+        store=store,
+        staging=build_staging(settings, redis_client),
+        dispatcher=build_dispatcher(app, settings),
+        elector=elector,
+        settings=settings,
+        planner=Planner(store, settings, app=app, static=static),
+        ledger=build_ledger(settings, store),
+    )
 
 
 # -- the worker side -----------------------------------------------------------------

@@ -4,7 +4,7 @@
 of the :class:`~celery_sched.leader.Engine` and returns how long to sleep.
 Constructed with ``lazy=True`` (as the start-up banner does) it connects to
 nothing. It touches neither SQL nor Redis itself: it opens the store and hands
-the rest to :func:`celery_sched.leader.build_leader`.
+the rest to :func:`celery_sched.backends.build_leader`.
 
 Periodic schedules: at setup it reads the app's static schedules
 (``beat_schedule``, ``add_periodic_task`` entries, ``@app.task(base=Task,
@@ -74,8 +74,7 @@ class Scheduler(beat.Scheduler):
         return self._settings
 
     def setup_schedule(self) -> None:
-        from celery_sched.backends import build_store
-        from celery_sched.leader import build_leader
+        from celery_sched.backends import build_leader, build_store
 
         settings = self.settings
         # Before connecting anywhere: an invalid entry stops beat at once,

@@ -23,6 +23,7 @@ from celery_sched.errors import (
     StoreError,
     UnknownSchedule,
 )
+from celery_sched.ids import UUID7Source
 from celery_sched.interfaces import JobStore, Staging
 from celery_sched.models import (
     Job,
@@ -36,7 +37,7 @@ from celery_sched.models import (
     decode_body,
 )
 from celery_sched.settings import Settings
-from celery_sched.validation import JobBuilder, UUID7Source
+from celery_sched.validation import JobBuilder
 
 logger = logging.getLogger(__name__)
 

@@ -581,16 +581,25 @@ class Dispatcher(abc.ABC):
         now: dt.datetime,
         may_publish: Callable[[], bool] | None = None,
     ) -> PublishResult:
-        """Publish ``jobs``; jobs already expired at ``now`` are not sent.
+        """Publish ``jobs``; every job is reported exactly once in the result.
 
-        ``may_publish`` is asked before every chunk goes to the broker (a
-        stale leader must not publish); once it answers ``False`` the jobs
-        not yet sent are reported ``withheld``.
+        Jobs already expired at ``now`` (``expires_at <= now``) are judged
+        before any broker I/O and reported ``expired``, never sent, whatever
+        the broker or ``may_publish`` does. ``may_publish`` is asked before
+        every chunk goes to the broker (a stale leader must not publish);
+        once it answers ``False`` the jobs not yet sent are reported
+        ``withheld``. A job its destination refuses is ``rejected`` with the
+        reason; jobs the broker could not take after the retries are
+        ``failed``.
         """
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Close the broker connection."""
+        """Close the broker connection; idempotent.
+
+        Not final: a later :meth:`publish` connects again (the leader closes
+        its dispatcher when it steps down and publishes again if re-elected).
+        """
 
 
 OptionMap = Mapping[str, object]

@@ -34,9 +34,7 @@ from celery_sched.errors import (
     UnknownTask,
     UnknownTimezone,
 )
-
-# Re-exported: client.py, planner.py and schedules import them from here.
-from celery_sched.ids import UUID7Source as UUID7Source
+from celery_sched.ids import UUID7Source
 from celery_sched.models import (
     DUE_LIMIT,
     EMPTY_OPTIONS,
@@ -47,8 +45,8 @@ from celery_sched.models import (
     NewJobRow,
     id_of_key,
 )
-from celery_sched.protocol import MAX_KEY_LENGTH as MAX_KEY_LENGTH
 from celery_sched.protocol import (
+    MAX_KEY_LENGTH,
     RESERVED_HEADER_PREFIX,
     RESERVED_HEADERS,
     BodyEncoder,

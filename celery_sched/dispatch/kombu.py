@@ -1,7 +1,7 @@
 """Publishing claimed jobs as Celery protocol-2 messages through Kombu.
 
-The per-message path is kept short on purpose (see DESIGN.md, "Figures that
-matter"): the body is published as the stored bytes, the constant part of the
+The per-message path is kept short on purpose (the README's "Benchmarks" give
+the figures): the body is published as the stored bytes, the constant part of the
 headers is built once per batch, routes are resolved once per task name and
 per-job destination, queues are declared once per connection, and on
 transports that support it (Redis) the whole batch goes through one

@@ -115,22 +115,22 @@ class MemoryDispatcher(Dispatcher):
         withheld: list[uuid.UUID] = []
         base = base_headers(origin=self.origin, epoch=epoch)
         with self._lock:
-            if self.closed:
-                raise RuntimeError("MemoryDispatcher used after close()")
+            # Like the Kombu dispatcher: a closed dispatcher reconnects.
+            self.closed = False
             self.publish_calls += 1
-        for start in range(0, len(jobs), self.chunk):
-            chunk = jobs[start : start + self.chunk]
+        # Expiry is judged before anything goes out (or is asked to), so an
+        # expired job is reported expired even when nothing may be published.
+        todo = [job for job in jobs if not is_expired(job, now)]
+        expired.extend(job.id for job in jobs if is_expired(job, now))
+        for start in range(0, len(todo), self.chunk):
+            chunk = todo[start : start + self.chunk]
             if self.before_chunk is not None:
                 self.before_chunk()
             if may_publish is not None and not may_publish():
-                # Like the real dispatcher: nothing more goes out, expired or not.
-                withheld.extend(job.id for job in jobs[start:])
+                withheld.extend(job.id for job in todo[start:])
                 break
             with self._lock:
                 for job in chunk:
-                    if is_expired(job, now):
-                        expired.append(job.id)
-                        continue
                     if job.id in self._rejects:
                         rejected[job.id] = self._rejects[job.id]
                         continue

@@ -20,64 +20,13 @@ One module per duty, each with its interval and what its failure does:
 - :mod:`~celery_sched.leader.clock` and :mod:`~celery_sched.leader.stats`:
   the store's time as the leader estimates it, and the counters.
 
-The election itself is :class:`~celery_sched.lease.elector.LeaderElector`.
+The election itself is :class:`~celery_sched.lease.elector.LeaderElector`;
+:func:`celery_sched.backends.build_leader` assembles a leader from settings.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
 from celery_sched.leader.loop import Engine
 from celery_sched.leader.stats import EngineStats
 
-if TYPE_CHECKING:
-    from celery_sched.interfaces import JobStore
-    from celery_sched.models import ScheduleSpec
-    from celery_sched.settings import Settings
-
-__all__ = ["Engine", "EngineStats", "build_leader"]
-
-
-def build_leader(
-    app: Any, settings: Settings, *, store: JobStore, static: Sequence[ScheduleSpec]
-) -> Engine:
-    """Assemble this process's leader for ``settings.shard``, not yet started.
-
-    ``store`` is the job store the caller opened (and migrated); the elector
-    bumps its epochs, and the ledger shares its pool. The rest is built here
-    from ``settings``: the Redis lease and staging (one client), the broker
-    dispatcher, the idempotency ledger, and the planner of ``static`` (the
-    code's periodic schedules). Connects to nothing until used. Call
-    :meth:`Engine.start` to compete for the lease.
-    """
-    from celery_sched.backends import (
-        build_dispatcher,
-        build_lease,
-        build_ledger,
-        build_redis,
-        build_staging,
-    )
-    from celery_sched.lease.elector import LeaderElector
-    from celery_sched.planner import Planner
-
-    redis_client = build_redis(settings)
-    elector = LeaderElector(
-        build_lease(settings, redis_client),
-        shard=settings.shard,
-        ttl=settings.lease_ttl,
-        safety_margin=settings.lease_safety_margin,
-        acquire_epoch=store.acquire_epoch,
-        holder=f"{socket.gethostname()}:{os.getpid()}",
-    )
-    return Engine(
-        store=store,
-        staging=build_staging(settings, redis_client),
-        dispatcher=build_dispatcher(app, settings),
-        elector=elector,
-        settings=settings,
-        planner=Planner(store, settings, app=app, static=static),
-        ledger=build_ledger(settings, store),
-    )
+__all__ = ["Engine", "EngineStats"]

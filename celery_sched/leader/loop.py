@@ -49,8 +49,8 @@ from celery_sched.timeutil import UTC
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import Dispatcher, JobStore, Ledger, Staging
+    from celery_sched.leader.planning import Planner
     from celery_sched.lease.elector import LeaderElector
-    from celery_sched.planner import Planner
     from celery_sched.settings import Settings
 
 logger = logging.getLogger(__name__)

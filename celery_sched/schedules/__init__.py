@@ -1,6 +1,6 @@
 """Periodic schedules: Celery beat entries in, nominal UTC instants out. No I/O.
 
-The planner (``celery_sched.planner``) turns each periodic schedule into one
+The planner (``celery_sched.leader.planning``) turns each periodic schedule into one
 job row per occurrence, keyed :func:`occurrence_key`. Everything it needs to
 know about *when* lives here, as pure functions of a
 :class:`~celery_sched.models.ScheduleSpec` and instants handed in by the

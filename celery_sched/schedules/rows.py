@@ -24,9 +24,10 @@ from celery_sched.models import (
     ScheduleSpec,
     StoredSchedule,
 )
+from celery_sched.protocol import MAX_KEY_LENGTH
 from celery_sched.schedules.evaluate import first_after, next_after
 from celery_sched.timeutil import UTC, ensure_utc
-from celery_sched.validation import MAX_KEY_LENGTH, JobBuilder
+from celery_sched.validation import JobBuilder
 
 __all__ = [
     "MAX_NAME_LENGTH",

@@ -1,6 +1,6 @@
 """The job store and the idempotency ledger: PostgreSQL
 (:mod:`celery_sched.store.postgres`), the in-memory fakes of unit tests
-(:mod:`celery_sched.store.memory`, :mod:`celery_sched.store.ledger_memory`),
+(:mod:`celery_sched.store.memory`: the job store and the ledger),
 and the schema they share (:mod:`celery_sched.store.schema`).
 
 Kept light on purpose: importing this package loads neither the database

@@ -268,6 +268,20 @@ def test_a_stale_leader_publishes_nothing(dispatch: DispatchBackend) -> None:
     assert dispatch.delivered(0) == []
 
 
+def test_a_stale_leader_still_reports_expired_jobs_expired(dispatch: DispatchBackend) -> None:
+    """Expiry is judged before ``may_publish`` is asked: an expired job ends
+    expired (a terminal state needs no broker), the rest is withheld."""
+    dispatcher = dispatch.dispatcher()
+    now = dt.datetime.now(dt.UTC)
+    expired = claimed(expires_at=now - dt.timedelta(seconds=1))
+    alive = [claimed() for _ in range(2)]
+    result = dispatcher.publish(
+        [alive[0], expired, alive[1]], epoch=1, now=now, may_publish=lambda: False
+    )
+    assert result == PublishResult(expired=[expired.id], withheld=ids(alive))
+    assert dispatch.delivered(0) == []
+
+
 # -- lifecycle -----------------------------------------------------------------------
 
 
@@ -283,3 +297,15 @@ def test_close_may_be_called_twice_and_before_any_publish(dispatch: DispatchBack
     used.close()
     # Closing loses nothing already published.
     assert task_ids(dispatch.delivered(1)) == [str(job.id)]
+
+
+def test_a_closed_dispatcher_publishes_again(dispatch: DispatchBackend) -> None:
+    """``close`` is not final: a leader re-elected after stepping down
+    publishes through the dispatcher it closed."""
+    dispatcher = dispatch.dispatcher()
+    first, second = claimed(), claimed()
+    assert dispatcher.publish([first], epoch=1, now=dt.datetime.now(dt.UTC)).sent == [first.id]
+    dispatcher.close()
+    result = dispatcher.publish([second], epoch=2, now=dt.datetime.now(dt.UTC))
+    assert result == PublishResult(sent=[second.id])
+    assert task_ids(dispatch.delivered(2)) == [str(first.id), str(second.id)]

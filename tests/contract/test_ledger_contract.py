@@ -78,8 +78,7 @@ class Effects:
 def backend(request: pytest.FixtureRequest) -> Iterator[tuple[Ledger, Effects, JobStore]]:
     """A ledger, where its transactions write, and the job store its fence reads."""
     if request.param == "memory":
-        from celery_sched.store.ledger_memory import MemoryLedger
-        from celery_sched.store.memory import MemoryJobStore
+        from celery_sched.store.memory import MemoryJobStore, MemoryLedger
 
         jobs = MemoryJobStore()
         yield MemoryLedger(jobs=jobs), Effects(None), jobs

@@ -179,8 +179,7 @@ SILENT = 0.3
 def rescue_backend(request: pytest.FixtureRequest) -> Iterator[tuple[JobStore, Ledger]]:
     """A job store and the idempotency ledger whose entries its rescuer reads."""
     if request.param == "memory":
-        from celery_sched.store.ledger_memory import MemoryLedger
-        from celery_sched.store.memory import MemoryJobStore
+        from celery_sched.store.memory import MemoryJobStore, MemoryLedger
 
         ledger = MemoryLedger()
         yield MemoryJobStore(ledger=ledger), ledger

@@ -14,8 +14,8 @@ from celery.schedules import crontab
 from celery_sched import schedules
 from celery_sched.client import Client
 from celery_sched.errors import ScheduleExists, UnknownTimezone
+from celery_sched.leader.planning import Planner
 from celery_sched.models import JobStatus
-from celery_sched.planner import Planner
 from celery_sched.schedules.rows import schedule_row
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore

@@ -543,7 +543,7 @@ def test_a_batch_claimed_ahead_is_released_when_publishing_fails(rig: Rig) -> No
 
 def test_the_leader_prunes_old_jobs_and_ledger_entries_a_batch_at_a_time(rig: Rig) -> None:
     from celery_sched.leader.housekeeping import HOUSEKEEPING_INTERVAL
-    from celery_sched.store.ledger_memory import MemoryLedger
+    from celery_sched.store.memory import MemoryLedger
 
     rig.settings = dataclasses.replace(
         rig.settings, retention=60.0, ledger_retention=60.0, prune_batch=2

@@ -20,8 +20,8 @@ from celery_sched.errors import (
     UnknownSchedule,
     UnknownTimezone,
 )
+from celery_sched.leader.planning import Planner
 from celery_sched.models import JobStatus
-from celery_sched.planner import Planner
 from celery_sched.schedules.rows import broken_reason, cursor_before, first_nominal
 from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore

@@ -21,8 +21,7 @@ from celery_sched.client import Client
 from celery_sched.errors import ConfigurationError, InvalidJob, LedgerConflict, StoreUnavailable
 from celery_sched.models import ClaimOutcome, JobStatus, LedgerState
 from celery_sched.settings import Settings
-from celery_sched.store.ledger_memory import MemoryLedger
-from celery_sched.store.memory import MemoryJobStore
+from celery_sched.store.memory import MemoryJobStore, MemoryLedger
 from celery_sched.task import LeaseKeeper, Task
 from tests.contract.conftest import new_job
 

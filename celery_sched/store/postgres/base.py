@@ -42,11 +42,6 @@ class PostgresStoreBase(StoreLifecycle):
         return self.database.settings
 
     @property
-    def _settings(self) -> Settings:
-        # Read by backends.py until it reads ``settings``.
-        return self.database.settings
-
-    @property
     def engine(self) -> Engine:
         """The SQLAlchemy engine, created on first use."""
         return self.database.engine
