@@ -148,8 +148,8 @@ def run(
             # Fresh due rows for each claimer count, on the same future rows.
             now = store.now()
             started = time.perf_counter()
-            # The due rows go through the real bulk path (COPY via insert_many).
-            loaded = store.insert_many(
+            # The due rows go through the real bulk path (COPY via load_jobs).
+            loaded = store.load_jobs(
                 jobs(due, now - dt.timedelta(minutes=10), dt.timedelta(minutes=9), keys=keys)
             )
             load_seconds = time.perf_counter() - started
@@ -157,7 +157,7 @@ def run(
                 conn.execute(f'VACUUM ANALYZE "{schema}".jobs')
             print(
                 f"future={future:,}: generated future rows in {future_seconds:.1f}s; "
-                f"insert_many {loaded:,} rows in {load_seconds:.1f}s "
+                f"load_jobs {loaded:,} rows in {load_seconds:.1f}s "
                 f"({loaded / load_seconds:,.0f} rows/s)",
                 file=sys.stderr,
             )

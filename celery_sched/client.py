@@ -179,7 +179,7 @@ class Client:
             options=options,
             caller_key=True,
         )
-        job = self.store.insert(new, if_exists=if_exists)
+        job = self.store.add_job(new, if_exists=if_exists)
         if job.id == new.id and job.due_at <= self._staging_horizon():
             self._stage([(job.shard, job.id, job.due_at)])
         logger.debug("scheduled job %s (%s) due %s", job.key, job.task, job.due_at.isoformat())
@@ -195,7 +195,7 @@ class Client:
         (reported with its index) or a duplicate key leaves nothing written.
         """
         near: list[tuple[int, uuid.UUID, dt.datetime]] = []
-        count = self.store.insert_rows(self._build_rows(rows, near))
+        count = self.store.load_job_rows(self._build_rows(rows, near))
         logger.info("scheduled %d jobs in bulk", count)
         # The leader's stager may have moved its horizon past some of these
         # while the insert ran (it cannot see uncommitted rows), so the

@@ -7,6 +7,15 @@ both pass the same contract test suite (``tests/contract``). The job store
 that needs one role may ask for that role alone. Methods say what is atomic
 and what they raise. Every backend raises only :mod:`celery_sched.errors`
 exceptions: driver errors are translated inside the backend.
+
+Vocabulary, the same in every module: a *job* is one task message due at
+one time (the public ``Client.schedule``, ``schedule_many`` and
+``Task.schedule`` keep Celery's verb, and make jobs); a *schedule* is a
+periodic definition (``Client.schedules``, ``beat_schedule``), which the
+planner turns into *occurrences*, jobs keyed ``name@nominal-time``. The store
+*adds* one job (:meth:`Jobs.add_job`), *loads* many at once with COPY
+(:meth:`Jobs.load_jobs`, :meth:`Jobs.load_job_rows`) and *adds occurrences*
+skipping those already there (:meth:`Jobs.add_occurrences`).
 """
 
 from __future__ import annotations
@@ -72,7 +81,7 @@ class Jobs(StoreLifecycle):
     # -- writing jobs -------------------------------------------------------
 
     @abc.abstractmethod
-    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+    def add_job(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
         """Insert one job.
 
         On an existing key, raise :class:`~celery_sched.errors.DuplicateJob`
@@ -81,7 +90,7 @@ class Jobs(StoreLifecycle):
         """
 
     @abc.abstractmethod
-    def insert_many(self, jobs: Iterable[NewJob]) -> int:
+    def load_jobs(self, jobs: Iterable[NewJob]) -> int:
         """Insert many jobs atomically (COPY); return how many were written.
 
         All or nothing: a duplicate key (already stored, or twice in
@@ -89,14 +98,14 @@ class Jobs(StoreLifecycle):
         nothing.
         """
 
-    def insert_rows(self, rows: Iterable[NewJobRow]) -> int:
-        """:meth:`insert_many` for rows already validated into
+    def load_job_rows(self, rows: Iterable[NewJobRow]) -> int:
+        """:meth:`load_jobs` for rows already validated into
         :data:`~celery_sched.models.NEW_JOB_ROW` tuples (the bulk fast path:
         no :class:`NewJob` per row). Same atomicity and errors."""
-        return self.insert_many(map(NewJob.from_row, rows))
+        return self.load_jobs(map(NewJob.from_row, rows))
 
     @abc.abstractmethod
-    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+    def add_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
         """Insert jobs whose keys may already exist, skipping those that do.
 
         Returns the ids actually written. Racing callers never create the same

@@ -430,7 +430,7 @@ def test_a_lost_take_held_by_another_owner_since_is_still_a_conflict(
 
 
 def _job(store: JobStore, key: str) -> Job:
-    return store.insert(new_job(key, store.now() - dt.timedelta(seconds=5)))
+    return store.add_job(new_job(key, store.now() - dt.timedelta(seconds=5)))
 
 
 @pytest.mark.parametrize(
@@ -455,7 +455,7 @@ def test_a_delivery_of_a_finished_or_cancelled_job_is_fenced(
 
 def _requeued(store: JobStore, key: str) -> Job:
     """A job claimed at attempt 0 and requeued by the reconciler (attempt 1)."""
-    store.insert(new_job(key, store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
+    store.add_job(new_job(key, store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
     epoch = store.acquire_epoch(0, "test")
     assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 1
     time.sleep(0.05)

@@ -200,7 +200,7 @@ def test_busy_schedules_and_guarded_commit(store: JobStore) -> None:
     store.add_schedules([new_schedule("o", now, overlap="skip"), new_schedule("p", now)])
     row, other = stored(store, "o"), stored(store, "p")
     assert store.busy_schedules([row.id, other.id]) == set()
-    store.insert(occurrence(row, now - 30 * SECOND))  # pending, due: unfinished
+    store.add_job(occurrence(row, now - 30 * SECOND))  # pending, due: unfinished
     assert store.busy_schedules([row.id, other.id]) == {row.id}
     result = store.commit_plans([advance(row, occurrence(row, now + SECOND), skip_if_busy=True)])
     assert result.written == [] and result.busy == 1

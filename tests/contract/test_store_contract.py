@@ -39,7 +39,7 @@ def leader(store: JobStore, shard: int = 0) -> int:
 
 def claim_one(store: JobStore, key: str, **fields: object) -> tuple[Job, int]:
     """Insert an overdue job and claim it; return the claimed job and the epoch."""
-    store.insert(new_job(key, past(store, 5), **fields))
+    store.add_job(new_job(key, past(store, 5), **fields))
     epoch = leader(store)
     claimed = store.claim_due(shard=0, epoch=epoch, limit=10)
     assert [job.key for job in claimed] == [key]
@@ -56,7 +56,7 @@ def test_now_is_aware_utc_and_current(store: JobStore) -> None:
 
 
 def test_migrate_is_idempotent(store: JobStore) -> None:
-    store.insert(new_job("kept", future(store)))
+    store.add_job(new_job("kept", future(store)))
     store.migrate()
     assert store.get("kept") is not None
 
@@ -77,7 +77,7 @@ def test_insert_stores_every_field(store: JobStore) -> None:
         visibility_timeout=12.5,
         max_runtime=60.0,
     )
-    stored = store.insert(job)
+    stored = store.add_job(job)
     assert stored.id == job.id
     assert stored.status is JobStatus.PENDING
     assert stored.due_at == due
@@ -102,16 +102,16 @@ def test_get_unknown_returns_none(store: JobStore) -> None:
 
 
 def test_insert_duplicate_key_raises(store: JobStore) -> None:
-    store.insert(new_job("dup", future(store)))
+    store.add_job(new_job("dup", future(store)))
     with pytest.raises(DuplicateJob) as info:
-        store.insert(new_job("dup", future(store, 60)))
+        store.add_job(new_job("dup", future(store, 60)))
     assert info.value.key == "dup"
     assert store.counts_by_status() == {JobStatus.PENDING: 1}
 
 
 def test_insert_duplicate_key_can_return_existing(store: JobStore) -> None:
-    first = store.insert(new_job("same", future(store)))
-    second = store.insert(new_job("same", future(store, 60)), if_exists="return")
+    first = store.add_job(new_job("same", future(store)))
+    second = store.add_job(new_job("same", future(store, 60)), if_exists="return")
     assert second == first
     assert store.counts_by_status() == {JobStatus.PENDING: 1}
 
@@ -124,10 +124,10 @@ def id_keyed(due_at: dt.datetime) -> NewJob:
 
 def test_a_key_that_is_the_id_reads_back_claims_and_cancels_by_that_key(store: JobStore) -> None:
     single, bulk, gone = id_keyed(past(store, 5)), id_keyed(past(store, 4)), id_keyed(future(store))
-    assert store.insert(single).key == single.key
+    assert store.add_job(single).key == single.key
     # The bulk path's rows leave such a key out (None); it reads back as the id's text.
-    assert store.insert_rows([(bulk.as_row()[0], None, *bulk.as_row()[2:])]) == 1
-    assert store.insert_many([gone]) == 1
+    assert store.load_job_rows([(bulk.as_row()[0], None, *bulk.as_row()[2:])]) == 1
+    assert store.load_jobs([gone]) == 1
     for job in (single, bulk, gone):
         stored = store.get(job.key)
         assert stored is not None
@@ -142,24 +142,24 @@ def test_a_key_that_is_the_id_reads_back_claims_and_cancels_by_that_key(store: J
 
 def test_a_key_that_is_the_id_is_unique_with_the_id(store: JobStore) -> None:
     first = id_keyed(future(store))
-    store.insert(first)
+    store.add_job(first)
     again = new_job(first.key, future(store, 60), id=first.id)
     with pytest.raises(DuplicateJob) as info:
-        store.insert(again)
+        store.add_job(again)
     assert info.value.key == first.key
-    assert store.insert(again, if_exists="return") == store.get(first.key)
+    assert store.add_job(again, if_exists="return") == store.get(first.key)
     with pytest.raises(DuplicateJob):
-        store.insert_rows([(first.id, None, *again.as_row()[2:])])
+        store.load_job_rows([(first.id, None, *again.as_row()[2:])])
     assert store.counts_by_status() == {JobStatus.PENDING: 1}
 
 
 def test_a_uuid_text_key_must_be_the_jobs_id(store: JobStore) -> None:
     """Such a key is kept as the id, so no job may pair it with another id; a
     key that is not a UUID's canonical text is an ordinary key."""
-    other = store.insert(new_job("k", future(store)))
+    other = store.add_job(new_job("k", future(store)))
     with pytest.raises(ValueError, match="must be the job's id"):
         new_job(str(other.id), future(store, 60))
-    upper = store.insert(new_job(str(other.id).upper(), future(store, 60)))
+    upper = store.add_job(new_job(str(other.id).upper(), future(store, 60)))
     assert upper.id != other.id and upper.key == str(other.id).upper()
     assert store.get(str(other.id)) is None
     found = store.get(str(other.id).upper())
@@ -168,13 +168,13 @@ def test_a_uuid_text_key_must_be_the_jobs_id(store: JobStore) -> None:
     assert status_of(store, "k") is JobStatus.PENDING
 
 
-# -- insert_many -----------------------------------------------------------------
+# -- load_jobs -----------------------------------------------------------------
 
 
 def test_insert_many_writes_all_from_a_generator(store: JobStore) -> None:
     base = future(store)
     jobs = (new_job(f"bulk-{i}", base + i * SECOND, shard=i % 2) for i in range(250))
-    assert store.insert_many(jobs) == 250
+    assert store.load_jobs(jobs) == 250
     assert store.counts_by_status() == {JobStatus.PENDING: 250}
     stored = store.get("bulk-7")
     assert stored is not None
@@ -185,7 +185,7 @@ def test_insert_many_writes_all_from_a_generator(store: JobStore) -> None:
 
 
 def test_insert_many_empty_writes_nothing(store: JobStore) -> None:
-    assert store.insert_many([]) == 0
+    assert store.load_jobs([]) == 0
     assert store.counts_by_status() == {}
 
 
@@ -193,16 +193,16 @@ def test_insert_many_duplicate_in_batch_writes_nothing(store: JobStore) -> None:
     due = future(store)
     jobs = [new_job("a", due), new_job("twice", due), new_job("b", due), new_job("twice", due)]
     with pytest.raises(DuplicateJob) as info:
-        store.insert_many(jobs)
+        store.load_jobs(jobs)
     assert info.value.key == "twice"
     assert store.counts_by_status() == {}
 
 
 def test_insert_many_duplicate_of_existing_writes_nothing(store: JobStore) -> None:
     due = future(store)
-    store.insert(new_job("old", due))
+    store.add_job(new_job("old", due))
     with pytest.raises(DuplicateJob) as info:
-        store.insert_many([new_job("new-1", due), new_job("old", due), new_job("new-2", due)])
+        store.load_jobs([new_job("new-1", due), new_job("old", due), new_job("new-2", due)])
     assert info.value.key == "old"
     assert store.counts_by_status() == {JobStatus.PENDING: 1}
     assert store.get("new-1") is None
@@ -225,33 +225,33 @@ def test_insert_many_iterator_error_propagates_and_writes_nothing(store: JobStor
             yield new_job(f"r{i}", due)
 
     with pytest.raises(Invalid) as info:
-        store.insert_many(rows())
+        store.load_jobs(rows())
     assert info.value is error
     assert consumed == [0, 1, 2]
     assert store.counts_by_status() == {}
     # The store is still usable afterwards.
-    assert store.insert_many([new_job("after", due)]) == 1
+    assert store.load_jobs([new_job("after", due)]) == 1
 
 
-# -- insert_occurrences ----------------------------------------------------------
+# -- add_occurrences ----------------------------------------------------------
 
 
 def test_insert_occurrences_skips_existing_keys(store: JobStore) -> None:
     due = future(store)
-    store.insert(new_job("tick@1", due))
+    store.add_job(new_job("tick@1", due))
     fresh = [new_job("tick@2", due), new_job("tick@3", due + SECOND)]
-    written = store.insert_occurrences([new_job("tick@1", due), *fresh, new_job("tick@2", due)])
+    written = store.add_occurrences([new_job("tick@1", due), *fresh, new_job("tick@2", due)])
     assert sorted(written) == sorted(job.id for job in fresh)
     assert store.counts_by_status() == {JobStatus.PENDING: 3}
-    assert store.insert_occurrences([]) == []
-    assert store.insert_occurrences(fresh) == []
+    assert store.add_occurrences([]) == []
+    assert store.add_occurrences(fresh) == []
 
 
 # -- cancel --------------------------------------------------------------------------
 
 
 def test_cancel_only_while_pending(store: JobStore) -> None:
-    store.insert(new_job("c1", future(store)))
+    store.add_job(new_job("c1", future(store)))
     assert store.cancel("c1") is True
     cancelled = store.get("c1")
     assert cancelled is not None
@@ -266,7 +266,7 @@ def test_cancel_only_while_pending(store: JobStore) -> None:
 
 
 def test_cancelled_job_is_never_claimed(store: JobStore) -> None:
-    store.insert(new_job("gone", past(store, 10)))
+    store.add_job(new_job("gone", past(store, 10)))
     store.cancel("gone")
     assert store.claim_due(shard=0, epoch=leader(store), limit=10) == []
 
@@ -289,11 +289,11 @@ def test_acquire_epoch_increments_per_shard(store: JobStore) -> None:
 
 def test_due_soon_lists_pending_within_window_oldest_first(store: JobStore) -> None:
     now = store.now()
-    store.insert(new_job("overdue", now - 30 * SECOND))
-    store.insert(new_job("soon", now + 20 * SECOND))
-    store.insert(new_job("later", now + 600 * SECOND))
-    store.insert(new_job("other-shard", now + 10 * SECOND, shard=1))
-    store.insert(new_job("cancelled", now + 5 * SECOND))
+    store.add_job(new_job("overdue", now - 30 * SECOND))
+    store.add_job(new_job("soon", now + 20 * SECOND))
+    store.add_job(new_job("later", now + 600 * SECOND))
+    store.add_job(new_job("other-shard", now + 10 * SECOND, shard=1))
+    store.add_job(new_job("cancelled", now + 5 * SECOND))
     store.cancel("cancelled")
     ids = {key: job.id for key in ("overdue", "soon") if (job := store.get(key))}
 
@@ -313,10 +313,10 @@ def test_claim_due_takes_oldest_due_first_up_to_limit(store: JobStore) -> None:
     now = store.now()
     offsets = [50, 10, 40, 20, 30]  # inserted out of order
     for offset in offsets:
-        store.insert(new_job(f"due-{offset}", now - offset * SECOND))
-    store.insert(new_job("future-1", now + 120 * SECOND))
-    store.insert(new_job("future-2", now + 86400 * SECOND))
-    store.insert(new_job("shard-1", now - 60 * SECOND, shard=1))
+        store.add_job(new_job(f"due-{offset}", now - offset * SECOND))
+    store.add_job(new_job("future-1", now + 120 * SECOND))
+    store.add_job(new_job("future-2", now + 86400 * SECOND))
+    store.add_job(new_job("shard-1", now - 60 * SECOND, shard=1))
     epoch = leader(store)
 
     first = store.claim_due(shard=0, epoch=epoch, limit=3)
@@ -334,7 +334,7 @@ def test_claim_due_takes_oldest_due_first_up_to_limit(store: JobStore) -> None:
 
 
 def test_claim_due_with_stale_epoch_claims_nothing(store: JobStore) -> None:
-    store.insert(new_job("j", past(store, 5)))
+    store.add_job(new_job("j", past(store, 5)))
     with pytest.raises(StaleEpoch):
         store.claim_due(shard=0, epoch=0, limit=10)  # no leader was ever elected
     old = leader(store)
@@ -348,7 +348,7 @@ def test_claim_due_with_stale_epoch_claims_nothing(store: JobStore) -> None:
 
 
 def test_epochs_are_per_shard(store: JobStore) -> None:
-    store.insert(new_job("s1", past(store, 5), shard=1))
+    store.add_job(new_job("s1", past(store, 5), shard=1))
     epoch0 = leader(store, 0)
     epoch0 = leader(store, 0)
     epoch1 = leader(store, 1)
@@ -363,13 +363,13 @@ def test_epochs_are_per_shard(store: JobStore) -> None:
 
 def test_claim_ids_ignores_not_due_and_not_pending(store: JobStore) -> None:
     now = store.now()
-    due_a = store.insert(new_job("a", now - 20 * SECOND))
-    due_b = store.insert(new_job("b", now - 30 * SECOND))
-    not_due = store.insert(new_job("not-due", now + 600 * SECOND))
-    cancelled = store.insert(new_job("cancelled", now - 10 * SECOND))
+    due_a = store.add_job(new_job("a", now - 20 * SECOND))
+    due_b = store.add_job(new_job("b", now - 30 * SECOND))
+    not_due = store.add_job(new_job("not-due", now + 600 * SECOND))
+    cancelled = store.add_job(new_job("cancelled", now - 10 * SECOND))
     store.cancel("cancelled")
-    other_shard = store.insert(new_job("other", now - 10 * SECOND, shard=1))
-    store.insert(new_job("untouched", now - 10 * SECOND))
+    other_shard = store.add_job(new_job("other", now - 10 * SECOND, shard=1))
+    store.add_job(new_job("untouched", now - 10 * SECOND))
     epoch = leader(store)
 
     ids = [due_a.id, not_due.id, cancelled.id, other_shard.id, due_b.id, uuid.uuid4()]
@@ -386,7 +386,7 @@ def test_claim_ids_ignores_not_due_and_not_pending(store: JobStore) -> None:
 
 
 def test_claim_ids_is_fenced(store: JobStore) -> None:
-    job = store.insert(new_job("f", past(store, 5)))
+    job = store.add_job(new_job("f", past(store, 5)))
     stale = leader(store)
     leader(store)
     with pytest.raises(StaleEpoch):
@@ -430,8 +430,8 @@ def test_mark_expired_is_fenced_by_epoch(store: JobStore) -> None:
 
 def test_reconcile_requeues_past_visibility_timeout(store: JobStore) -> None:
     now = store.now()
-    store.insert(new_job("quick", now - 5 * SECOND, visibility_timeout=0.2))
-    store.insert(new_job("patient", now - 5 * SECOND))  # uses the default timeout
+    store.add_job(new_job("quick", now - 5 * SECOND, visibility_timeout=0.2))
+    store.add_job(new_job("patient", now - 5 * SECOND))  # uses the default timeout
     epoch = leader(store)
     assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 2
     time.sleep(0.4)
@@ -452,7 +452,7 @@ def test_reconcile_requeues_past_visibility_timeout(store: JobStore) -> None:
 
 
 def test_reconcile_marks_dead_after_max_attempts(store: JobStore) -> None:
-    store.insert(new_job("doomed", past(store, 5), max_attempts=2))
+    store.add_job(new_job("doomed", past(store, 5), max_attempts=2))
     epoch = leader(store)
     for expected_attempt in (1, 2):
         assert [j.key for j in store.claim_due(shard=0, epoch=epoch, limit=5)] == ["doomed"]
@@ -469,8 +469,8 @@ def test_reconcile_marks_dead_after_max_attempts(store: JobStore) -> None:
 
 
 def test_reconcile_counts_dead(store: JobStore) -> None:
-    store.insert(new_job("once", past(store, 5), max_attempts=1))
-    store.insert(new_job("twice", past(store, 5), max_attempts=2))
+    store.add_job(new_job("once", past(store, 5), max_attempts=1))
+    store.add_job(new_job("twice", past(store, 5), max_attempts=2))
     epoch = leader(store)
     store.claim_due(shard=0, epoch=epoch, limit=5)
     time.sleep(0.25)
@@ -482,7 +482,7 @@ def test_reconcile_counts_dead(store: JobStore) -> None:
 
 def test_reconcile_respects_limit(store: JobStore) -> None:
     for i in range(5):
-        store.insert(new_job(f"l{i}", past(store, 10 - i)))
+        store.add_job(new_job(f"l{i}", past(store, 10 - i)))
     epoch = leader(store)
     store.claim_due(shard=0, epoch=epoch, limit=10)
     time.sleep(0.25)
@@ -502,7 +502,7 @@ def test_reconcile_is_fenced(store: JobStore) -> None:
 
 def test_reconcile_requeues_running_past_max_runtime(store: JobStore) -> None:
     job, epoch = claim_one(store, "slow", max_runtime=0.2)
-    store.insert(new_job("no-limit", past(store, 5)))
+    store.add_job(new_job("no-limit", past(store, 5)))
     other = store.claim_due(shard=0, epoch=epoch, limit=5)
     assert store.mark_running(job.id, worker="w1") is True
     assert store.mark_running(other[0].id, worker="w1") is True
@@ -552,14 +552,14 @@ def test_worker_transitions(store: JobStore) -> None:
 def test_worker_may_start_a_pending_job_and_finish_it(store: JobStore) -> None:
     # A broker redelivery after a reconciler requeue reaches a worker while
     # the row is pending again.
-    job = store.insert(new_job("p", future(store)))
+    job = store.add_job(new_job("p", future(store)))
     assert store.mark_running(job.id, worker="w") is True
     assert store.mark_finished(job.id, JobStatus.SUCCEEDED) is True
     assert status_of(store, "p") is JobStatus.SUCCEEDED
 
 
 def test_mark_finished_refuses_unfinished_status(store: JobStore) -> None:
-    job = store.insert(new_job("u", future(store)))
+    job = store.add_job(new_job("u", future(store)))
     with pytest.raises(ValueError):
         store.mark_finished(job.id, JobStatus.RUNNING)
     assert status_of(store, "u") is JobStatus.PENDING
@@ -571,9 +571,9 @@ def test_mark_finished_refuses_unfinished_status(store: JobStore) -> None:
 def test_counts_by_status_and_hour(store: JobStore) -> None:
     hour = (store.now() + 48 * HOUR).replace(minute=0, second=0, microsecond=0)
     for i in range(3):
-        store.insert(new_job(f"h1-{i}", hour + (10 + i) * dt.timedelta(minutes=1)))
+        store.add_job(new_job(f"h1-{i}", hour + (10 + i) * dt.timedelta(minutes=1)))
     for i in range(2):
-        store.insert(new_job(f"h2-{i}", hour + HOUR + i * SECOND))
+        store.add_job(new_job(f"h2-{i}", hour + HOUR + i * SECOND))
     store.cancel("h2-0")
     assert store.counts_by_status() == {JobStatus.PENDING: 4, JobStatus.CANCELLED: 1}
     assert store.counts_by_hour() == {hour: 3, hour + HOUR: 2}
@@ -590,10 +590,10 @@ def test_counts_by_status_and_hour(store: JobStore) -> None:
 def test_prune_deletes_old_finished_jobs_in_batches(store: JobStore) -> None:
     due = future(store)
     for i in range(7):
-        store.insert(new_job(f"done-{i}", due))
+        store.add_job(new_job(f"done-{i}", due))
         store.cancel(f"done-{i}")
-    store.insert(new_job("pending", due))
-    running = store.insert(new_job("running", due))
+    store.add_job(new_job("pending", due))
+    running = store.add_job(new_job("running", due))
     store.mark_running(running.id, worker="w")
     assert store.prune(older_than=3600, batch=3) == 0
     time.sleep(0.05)
@@ -605,15 +605,15 @@ def test_prune_deletes_old_finished_jobs_in_batches(store: JobStore) -> None:
     assert store.get("done-0") is None
     assert store.prune(older_than=0, batch=3) == 0
     # A pruned key can be scheduled again.
-    store.insert(new_job("done-0", due))
+    store.add_job(new_job("done-0", due))
 
 
 # -- failed publishes, expiry by the store's clock, shards (issue 13) --------------------
 
 
 def test_fail_dispatch_counts_an_attempt_and_says_why(store: JobStore) -> None:
-    store.insert(new_job("unroutable", past(store, 6), max_attempts=3))
-    store.insert(new_job("fine", past(store, 5)))
+    store.add_job(new_job("unroutable", past(store, 6), max_attempts=3))
+    store.add_job(new_job("fine", past(store, 5)))
     epoch = leader(store)
     job, other = store.claim_due(shard=0, epoch=epoch, limit=10)
     assert (job.key, other.key) == ("unroutable", "fine")
@@ -644,7 +644,7 @@ def test_fail_dispatch_is_fenced_by_epoch(store: JobStore) -> None:
 
 
 def test_fail_dispatch_gives_up_at_max_attempts(store: JobStore) -> None:
-    store.insert(new_job("poison", past(store, 5), max_attempts=2))
+    store.add_job(new_job("poison", past(store, 5), max_attempts=2))
     epoch = leader(store)
     for attempt, expected in ((1, JobStatus.PENDING), (2, JobStatus.DEAD)):
         [job] = store.claim_due(shard=0, epoch=epoch, limit=5)
@@ -668,15 +668,15 @@ def test_mark_expired_rechecks_expiry_by_the_store_clock(store: JobStore) -> Non
 
 def test_unfinished_by_shard_counts_rows_from_a_shard_on(store: JobStore) -> None:
     now = store.now()
-    store.insert(new_job("s0", now - SECOND, shard=0))
+    store.add_job(new_job("s0", now - SECOND, shard=0))
     for key in ("p1", "p1b", "d1"):
-        store.insert(new_job(key, now - SECOND, shard=1))
-    store.insert(new_job("p3", now + HOUR, shard=3))
-    store.insert(new_job("c3", now + HOUR, shard=3))
+        store.add_job(new_job(key, now - SECOND, shard=1))
+    store.add_job(new_job("p3", now + HOUR, shard=3))
+    store.add_job(new_job("c3", now + HOUR, shard=3))
     assert store.cancel("c3")
     epoch = store.acquire_epoch(1, "t")
     [claimed] = store.claim_ids([store.get("d1").id], shard=1, epoch=epoch)  # type: ignore[union-attr]
-    store.insert(new_job("r3", now - SECOND, shard=3))
+    store.add_job(new_job("r3", now - SECOND, shard=3))
     r3 = store.get("r3")
     assert r3 is not None and store.mark_running(r3.id, worker="w")
     assert store.unfinished_by_shard(from_shard=1) == {

@@ -530,7 +530,7 @@ def test_the_engine_sends_a_batch_around_a_job_redis_refuses_until_that_job_is_d
         options={"queue": bad_queue},
         max_attempts=3,
     )
-    store.insert_many([*good, bad])
+    store.load_jobs([*good, bad])
     elector = LeaderElector(
         MemoryLeaseBackend(),
         shard=0,

@@ -47,8 +47,8 @@ def store_backends(settings: Settings) -> str:
 def test_concurrent_claimers_get_disjoint_sets(store: PostgresJobStore, settings: Settings) -> None:
     due = store.now() - dt.timedelta(seconds=30)
     total = 3000
-    store.insert_many(new_job(f"c{i}", due + dt.timedelta(microseconds=i)) for i in range(total))
-    store.insert_many(new_job(f"f{i}", due + dt.timedelta(days=1, seconds=i)) for i in range(500))
+    store.load_jobs(new_job(f"c{i}", due + dt.timedelta(microseconds=i)) for i in range(total))
+    store.load_jobs(new_job(f"f{i}", due + dt.timedelta(days=1, seconds=i)) for i in range(500))
     epoch = store.acquire_epoch(0, "both")
     start = threading.Barrier(2)
 
@@ -76,10 +76,10 @@ def test_concurrent_claimers_get_disjoint_sets(store: PostgresJobStore, settings
 
 def test_claim_plan_uses_partial_pending_index(store: PostgresJobStore, settings: Settings) -> None:
     now = store.now()
-    store.insert_many(
+    store.load_jobs(
         new_job(f"future-{i}", now + dt.timedelta(hours=1, seconds=i)) for i in range(30_000)
     )
-    store.insert_many(new_job(f"due-{i}", now - dt.timedelta(seconds=i)) for i in range(50))
+    store.load_jobs(new_job(f"due-{i}", now - dt.timedelta(seconds=i)) for i in range(50))
     with raw_connect(settings) as conn:
         conn.execute(f'ANALYZE "{settings.db_schema}".jobs')
     plan = store.explain_claim(shard=0, limit=1000)
@@ -95,7 +95,7 @@ def test_the_reconciler_reads_retrying_jobs_by_their_partial_index(
     # Issue 13 (12): the reconciler requeues retries that never started; on
     # a big table that must stay an index range scan, not a table scan.
     now = store.now()
-    store.insert_many(
+    store.load_jobs(
         new_job(f"r-{i}", now + dt.timedelta(seconds=i), shard=i % 2) for i in range(20_000)
     )
     schema = settings.db_schema
@@ -191,7 +191,7 @@ def test_migrate_twice_and_concurrently(settings: Settings) -> None:
                 f'SELECT version_num FROM "{settings.db_schema}".alembic_version'
             ).fetchall()
         assert versions == [("0004",)]
-        stores[1].insert(new_job("works", stores[1].now()))
+        stores[1].add_job(new_job("works", stores[1].now()))
         assert stores[2].get("works") is not None
     finally:
         for s in stores:
@@ -228,9 +228,9 @@ def test_upgrading_to_0003_keeps_earlier_keys_and_stores_id_keys_once(settings: 
             found = store.get(key)
             assert found is not None and found.key == key
         with pytest.raises(DuplicateJob):
-            store.insert(new_job(str(old), store.now(), id=old))
+            store.add_job(new_job(str(old), store.now(), id=old))
         fresh = uuid.uuid4()
-        store.insert(new_job(str(fresh), store.now(), id=fresh))
+        store.add_job(new_job(str(fresh), store.now(), id=fresh))
         with raw_connect(settings) as conn:
             stored = conn.execute(
                 f'SELECT key FROM "{schema}".jobs WHERE id = %s', (fresh,)
@@ -270,7 +270,7 @@ def test_unreachable_database_raises_store_unavailable_without_password(
 def test_idle_connections_terminated_are_replaced(
     store: PostgresJobStore, settings: Settings
 ) -> None:
-    store.insert(new_job("k", store.now()))
+    store.add_job(new_job("k", store.now()))
     with raw_connect(settings) as conn:
         killed = conn.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -287,8 +287,8 @@ def test_worker_reports_survive_their_connection_being_terminated(
 ) -> None:
     """Status reports run on a per-thread connection outside the pool; a
     killed one is replaced and the batch retried, nothing is lost."""
-    store.insert(new_job("a", store.now() - dt.timedelta(seconds=1)))
-    store.insert(new_job("b", store.now() - dt.timedelta(seconds=1)))
+    store.add_job(new_job("a", store.now() - dt.timedelta(seconds=1)))
+    store.add_job(new_job("b", store.now() - dt.timedelta(seconds=1)))
     epoch = store.acquire_epoch(0, "w")
     a, b = sorted(store.claim_due(shard=0, epoch=epoch, limit=10), key=lambda j: j.key)
     report = store.apply_worker_updates
@@ -315,7 +315,7 @@ def test_connection_terminated_mid_claim_is_retried(
     store: PostgresJobStore, settings: Settings
 ) -> None:
     quick = PostgresJobStore(dataclasses.replace(settings, retry_backoff=0.05))
-    store.insert(new_job("mid", store.now() - dt.timedelta(seconds=5)))
+    store.add_job(new_job("mid", store.now() - dt.timedelta(seconds=5)))
     epoch = store.acquire_epoch(0, "mid")
     result: list[list[Job]] = []
     errors: list[BaseException] = []
@@ -364,7 +364,7 @@ def test_insert_many_streams_a_large_generator(store: PostgresJobStore) -> None:
             produced += 1
             yield new_job(f"s{i}", due, id=uuid.uuid4())
 
-    assert store.insert_many(rows()) == 50_000  # type: ignore[arg-type]
+    assert store.load_jobs(rows()) == 50_000  # type: ignore[arg-type]
     assert produced == 50_000
     assert store.counts_by_status() == {JobStatus.PENDING: 50_000}
 
@@ -379,7 +379,7 @@ def test_claims_decode_options_per_job(store: PostgresJobStore) -> None:
         {"queue": "q1", "headers": {"h": ["v", 1]}},
     ]
     expected = {f"o{i}": option_sets[i % 3] for i in range(30)}
-    store.insert_many(
+    store.load_jobs(
         new_job(key, due + dt.timedelta(microseconds=i), options=options)
         for i, (key, options) in enumerate(expected.items())
     )
@@ -403,7 +403,7 @@ def test_claims_decode_options_per_job(store: PostgresJobStore) -> None:
 def test_bulk_load_options_round_trip(store: PostgresJobStore) -> None:
     due = store.now() + dt.timedelta(hours=1)
     options = {"queue": "é", "headers": {"k": [1, None, True]}, "time_limit": 2.5}
-    store.insert_many([new_job("a", due, options={}), new_job("b", due, options=options)])
+    store.load_jobs([new_job("a", due, options={}), new_job("b", due, options=options)])
     assert store.get("a").options == {}  # type: ignore[union-attr]
     assert store.get("b").options == options  # type: ignore[union-attr]
 
@@ -419,7 +419,7 @@ def test_a_claim_retried_after_an_ambiguous_commit_loses_no_row(
 
     now = store.now()
     for i in range(6):
-        store.insert(
+        store.add_job(
             new_job(f"amb-{i}", now - dt.timedelta(seconds=60 - i), visibility_timeout=0.3)
         )
     epoch = store.acquire_epoch(0, "ambiguous")
@@ -461,10 +461,10 @@ def test_beat_refuses_to_start_with_rows_in_shards_that_no_longer_exist(
     from celery_sched.errors import ConfigurationError
 
     now = store.now()
-    store.insert(new_job("kept", now - dt.timedelta(seconds=1), shard=0))
+    store.add_job(new_job("kept", now - dt.timedelta(seconds=1), shard=0))
     for i in range(3):
-        store.insert(new_job(f"s2-{i}", now + dt.timedelta(hours=i), shard=2))
-    store.insert(new_job("s3", now - dt.timedelta(seconds=1), shard=3))
+        store.add_job(new_job(f"s2-{i}", now + dt.timedelta(hours=i), shard=2))
+    store.add_job(new_job("s3", now - dt.timedelta(seconds=1), shard=3))
     epoch = store.acquire_epoch(3, "old fleet")
     assert len(store.claim_due(shard=3, epoch=epoch, limit=5)) == 1
     check_shards(store, 4)  # the count they were written with: fine
@@ -490,7 +490,7 @@ def test_the_shard_check_reads_only_partial_indexes(
     store: PostgresJobStore, settings: Settings
 ) -> None:
     now = store.now()
-    store.insert_many(
+    store.load_jobs(
         new_job(f"f-{i}", now + dt.timedelta(seconds=i), shard=i % 2) for i in range(20_000)
     )
     with raw_connect(settings) as conn:

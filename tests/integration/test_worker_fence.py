@@ -68,7 +68,7 @@ def _request(app: Celery, job_id: uuid.UUID, key: str, attempt: int | None) -> A
 
 def _requeued(store: PostgresJobStore, key: str) -> uuid.UUID:
     """A job the reconciler requeued (attempt 1) after its first dispatch."""
-    store.insert(new_job(key, store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
+    store.add_job(new_job(key, store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
     epoch = store.acquire_epoch(0, "test")
     (claimed,) = store.claim_due(shard=0, epoch=epoch, limit=10)
     time.sleep(0.05)
@@ -82,7 +82,7 @@ def test_stale_and_cancelled_deliveries_are_acked_and_skipped_the_current_one_ru
     requeued = _requeued(store, "requeued")
     # The requeue's copy (attempt 1) started; the first copy arrives late.
     assert store.mark_running(requeued, worker="w2", worker_pid=2)
-    store.insert(new_job("cancelled", store.now() + dt.timedelta(hours=1)))
+    store.add_job(new_job("cancelled", store.now() + dt.timedelta(hours=1)))
     assert store.cancel("cancelled")
     cancelled = store.get("cancelled")
     assert cancelled is not None
@@ -132,7 +132,7 @@ def test_a_late_copy_of_a_requeued_job_nobody_started_takes_it_over(
 def test_messages_without_celery_sched_headers_or_with_a_live_job_are_not_checked_against(
     app: Celery, store: PostgresJobStore
 ) -> None:
-    job = store.insert(new_job("live", store.now() - dt.timedelta(seconds=1)))
+    job = store.add_job(new_job("live", store.now() - dt.timedelta(seconds=1)))
     assert not _request(app, job.id, "live", attempt=0).revoked()
     assert not _request(app, job.id, "live", attempt=None).revoked()
     assert not _request(app, uuid.uuid4(), "pruned", attempt=0).revoked()

@@ -36,7 +36,7 @@ def _stored(app: Celery, **options: object) -> tuple[object, dict[str, object]]:
         now=store.now,
         options=dict(options),
     )
-    return store.insert(new), dict(options)
+    return store.add_job(new), dict(options)
 
 
 def _celery_headers(app: Celery, job: object, **extra: object) -> dict[str, object]:

@@ -121,7 +121,7 @@ class Rig:
             self.clock.wall() + dt.timedelta(seconds=seconds_from_now),
             **fields,
         )
-        self.store.insert(job)
+        self.store.add_job(job)
         return job.id
 
     def run(self, engine: Engine, seconds: float, step: float = 0.1) -> None:

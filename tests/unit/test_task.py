@@ -51,7 +51,7 @@ class Env:
     def dispatched(self, key: str, **fields: Any) -> uuid.UUID:
         """A job claimed by a leader, as a worker receives it."""
         job = new_job(key, self.store.now() - dt.timedelta(seconds=1), **fields)
-        self.store.insert(job)
+        self.store.add_job(job)
         epoch = self.store.acquire_epoch(0, "test")
         self.store.claim_ids([job.id], shard=0, epoch=epoch)
         return job.id
@@ -269,7 +269,7 @@ def test_fenced_deliveries_are_acknowledged_without_running_or_moving_the_row(
     assert job is not None and (job.status, job.attempt) == (JobStatus.PENDING, 1)
     # The requeue's copy (attempt 1) started; the first copy arrives late.
     assert env.store.mark_running(requeued, worker="w2", worker_pid=2)
-    env.store.insert(new_job("cancelled", env.store.now() + dt.timedelta(hours=1)))
+    env.store.add_job(new_job("cancelled", env.store.now() + dt.timedelta(hours=1)))
     assert env.store.cancel("cancelled")
     cancelled = env.store.get("cancelled")
     assert cancelled is not None

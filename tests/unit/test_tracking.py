@@ -42,7 +42,7 @@ def app_and_store() -> Iterator[tuple[Celery, MemoryJobStore]]:
 
 def _dispatched(store: MemoryJobStore, key: str) -> uuid.UUID:
     job = new_job(key, store.now() - dt.timedelta(seconds=1))
-    store.insert(job)
+    store.add_job(job)
     epoch = store.acquire_epoch(0, "t")
     store.claim_ids([job.id], shard=0, epoch=epoch)
     return job.id
@@ -282,7 +282,7 @@ def _postgres_app(settings: Settings) -> tuple[Celery, PostgresJobStore]:
 
 def _pg_dispatched(store: PostgresJobStore, key: str) -> uuid.UUID:
     job = new_job(key, store.now() - dt.timedelta(seconds=1))
-    store.insert(job)
+    store.add_job(job)
     epoch = store.current_epoch(0) or store.acquire_epoch(0, "t")
     assert store.claim_ids([job.id], shard=0, epoch=epoch)
     return job.id

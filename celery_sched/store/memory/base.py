@@ -62,7 +62,7 @@ class MemoryStoreBase(StoreLifecycle):
     # -- internals ----------------------------------------------------------
 
     def _insert(self, job: NewJob, if_exists: Literal["raise", "return"]) -> Job:
-        """Insert one job (see :meth:`~celery_sched.interfaces.Jobs.insert`)."""
+        """Insert one job (see :meth:`~celery_sched.interfaces.Jobs.add_job`)."""
         with self._lock:
             existing = self._by_key.get(job.key)
             if existing is not None:

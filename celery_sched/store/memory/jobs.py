@@ -29,10 +29,10 @@ class MemoryJobs(MemoryStoreBase, Jobs):
 
     # -- writing jobs -------------------------------------------------------
 
-    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+    def add_job(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
         return self._insert(job, if_exists)
 
-    def insert_many(self, jobs: Iterable[NewJob]) -> int:
+    def load_jobs(self, jobs: Iterable[NewJob]) -> int:
         with self._lock:
             now = self.now()
             staged: dict[str, Job] = {}
@@ -50,7 +50,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                 self._put(stored)
             return len(staged)
 
-    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+    def add_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
         with self._lock:
             now = self.now()
             written: list[uuid.UUID] = []

@@ -1,7 +1,7 @@
 """Bulk loads with psycopg 3's binary COPY: new jobs, and new schedule rows.
 
 COPY writes rows without a statement per row or per chunk, which is what
-``insert_many`` (millions of jobs) and the static sync (thousands of
+``load_jobs`` (millions of jobs) and the static sync (thousands of
 schedules) need; the rows come as tuples already in column order.
 """
 
@@ -115,7 +115,7 @@ class JobCopy:
         db = self._database
         # Only checking out a connection is retried: once COPY has consumed
         # part of a (possibly one-shot) iterator, it cannot be replayed.
-        conn = db.retry(lambda: db.engine.connect(), "insert_many")
+        conn = db.retry(lambda: db.engine.connect(), "load_jobs")
         try:
             with conn.begin():
                 raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
@@ -147,7 +147,7 @@ class JobCopy:
                 conn.invalidate()
             if is_transient(exc):
                 raise db.unavailable(exc) from exc
-            raise db.translate(exc, "insert_many") from exc
+            raise db.translate(exc, "load_jobs") from exc
         finally:
             conn.close()
         logger.debug("inserted %d jobs with COPY", count)

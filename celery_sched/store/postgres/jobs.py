@@ -45,7 +45,7 @@ from celery_sched.timeutil import ensure_utc, to_bucket
 
 logger = logging.getLogger(__name__)
 
-#: Rows per multi-row INSERT in insert_occurrences (keeps the statement under
+#: Rows per multi-row INSERT in add_occurrences (keeps the statement under
 #: Postgres's 65535 bind parameter limit).
 OCCURRENCE_CHUNK = 1000
 
@@ -136,7 +136,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
 
     # -- writing jobs -------------------------------------------------------
 
-    def insert(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
+    def add_job(self, job: NewJob, *, if_exists: Literal["raise", "return"] = "raise") -> Job:
         db = self.database
         values = row_values(job)
         attempts = 0
@@ -162,7 +162,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             nonlocal attempts
             attempts += 1
             try:
-                return db.guard(in_transaction, "insert")
+                return db.guard(in_transaction, "add_job")
             except DuplicateJob:
                 # A retry after a lost commit acknowledgement finds our own
                 # row (same id): that is success, not a duplicate.
@@ -172,19 +172,19 @@ class PostgresJobs(PostgresStoreBase, Jobs):
                         return existing
                 raise
 
-        return db.with_retries(attempt, "insert")
+        return db.with_retries(attempt, "add_job")
 
-    def insert_many(self, jobs: Iterable[NewJob]) -> int:
-        return self.insert_rows(map(_stored_row, jobs))
+    def load_jobs(self, jobs: Iterable[NewJob]) -> int:
+        return self.load_job_rows(map(_stored_row, jobs))
 
-    def insert_rows(self, rows: Iterable[NewJobRow]) -> int:
-        """:meth:`insert_many` for jobs given as :data:`~celery_sched.models.NEW_JOB_ROW`
+    def load_job_rows(self, rows: Iterable[NewJobRow]) -> int:
+        """:meth:`load_jobs` for jobs given as :data:`~celery_sched.models.NEW_JOB_ROW`
         tuples (already validated: ``JobBuilder.build_row`` output), written
-        to COPY unchanged. Same atomicity and errors as :meth:`insert_many`.
+        to COPY unchanged. Same atomicity and errors as :meth:`load_jobs`.
         """
         return self._copy.write(rows)
 
-    def insert_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
+    def add_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
         if not jobs:
             return []
         rows = [row_values(job) for job in jobs]
@@ -199,7 +199,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
                 written.extend(conn.execute(stmt).scalars())
             return written
 
-        return self.database.transaction("insert_occurrences", write)
+        return self.database.transaction("add_occurrences", write)
 
     # -- reading ------------------------------------------------------------
 

@@ -233,7 +233,7 @@ class ScheduleQueries:
                 for name, kind in OCCURRENCE_ARRAYS
             )
         ).subquery("u")
-        self.insert_occurrences = skip_taken_keys(
+        self.add_occurrences = skip_taken_keys(
             pg_insert(jobs).from_select(
                 [name for name, _ in OCCURRENCE_ARRAYS],
                 select(

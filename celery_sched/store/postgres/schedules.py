@@ -299,7 +299,7 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
             written: list[tuple[uuid.UUID, dt.datetime, int]] = []
             for start in range(0, len(jobs), OCCURRENCE_CHUNK):
                 chunk = _occurrence_arrays(jobs[start : start + OCCURRENCE_CHUNK])
-                result = conn.execute(self._sq.insert_occurrences, chunk)
+                result = conn.execute(self._sq.add_occurrences, chunk)
                 written.extend((job_id, ensure_utc(due), shard) for job_id, due, shard in result)
             return PlanCommit(written=written, stale=len(ordered) - len(applied), busy=busy)
 
@@ -334,7 +334,7 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
 
 
 def _occurrence_arrays(jobs: Sequence[NewJob]) -> dict[str, list[Any]]:
-    """The ``u_<column>`` array parameters of ``insert_occurrences``."""
+    """The ``u_<column>`` array parameters of ``add_occurrences``."""
     options: dict[int, str] = {}
 
     def as_json(value: Any) -> str:
