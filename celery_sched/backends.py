@@ -16,8 +16,8 @@ import os
 import socket
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from celery_sched.errors import ConfigurationError
 from celery_sched.settings import Settings
@@ -25,13 +25,9 @@ from celery_sched.settings import Settings
 if TYPE_CHECKING:
     import redis
 
-    from celery_sched.client import Client
-    from celery_sched.fence import DeliveryFence
     from celery_sched.interfaces import Dispatcher, JobStore, LeaseBackend, Ledger, Staging
     from celery_sched.leader import Engine
     from celery_sched.models import ScheduleSpec
-    from celery_sched.task import TaskRuntime
-    from celery_sched.tracking import StatusWriter
 
 
 def build_store(settings: Settings) -> JobStore:
@@ -137,10 +133,14 @@ class Overrides:
     settings: Settings | None = None
     store: JobStore | None = None
     ledger: Ledger | None = None
-    client: Client | None = None
+    #: The ``celery_sched.client.Client`` of ``Task.schedule()`` (typed
+    #: loosely so that this module imports nothing of the worker side).
+    client: object | None = None
 
 
 _lock = threading.RLock()
+
+_Part = TypeVar("_Part")
 
 
 class WorkerSide:
@@ -150,10 +150,11 @@ class WorkerSide:
     on first use: the settings (the app's), the job store, the idempotency
     ledger (sharing the store's connection pool) and the ``Client`` of
     ``Task.schedule()``. The modules of the worker side keep their
-    process-local helpers here as well, each building its own under
-    :attr:`lock`: the status writer (:mod:`celery_sched.tracking`), the
-    delivery fence (:mod:`celery_sched.fence`) and the lease keeper and
-    owner tokens of ``celery_sched.Task`` (:mod:`celery_sched.task`).
+    process-local helpers here as well, as *parts* (:meth:`part`), one per
+    class, built on first use: the status writer (:mod:`celery_sched.tracking`),
+    the delivery fence (:mod:`celery_sched.fence`), the runtime and the
+    client of ``celery_sched.Task`` (:mod:`celery_sched.task`). This module
+    names none of them, so it imports nothing of the worker side.
 
     One per app and process (:func:`worker_side`). Threads and connections
     do not survive a fork, so a forked child starts a new side, which keeps
@@ -181,10 +182,9 @@ class WorkerSide:
         self._settings = self.overrides.settings
         self._store = self.overrides.store if self.overrides.store is not None else store
         self._ledger = self.overrides.ledger
-        self.client: Client | None = self.overrides.client
-        self.writer: StatusWriter | None = None
-        self.fence: DeliveryFence | None = None
-        self.tasks: TaskRuntime | None = None
+        self._parts: dict[type, object] = {}
+        #: The parts an :meth:`override` keeps (see :meth:`part`).
+        self._kept: set[type] = set()
 
     @property
     def app(self) -> Any:
@@ -218,6 +218,36 @@ class WorkerSide:
                 self._ledger = build_ledger(self.settings, self.store)
             return self._ledger
 
+    def part(self, kind: type[_Part], build: Callable[[], _Part], *, keep: bool = False) -> _Part:
+        """This side's one ``kind``, made by ``build()`` (under :attr:`lock`)
+        the first time it is asked for.
+
+        An :meth:`override` drops every part, to be built again from the new
+        backends, except those built with ``keep`` (the status writer keeps
+        the reports it holds).
+        """
+        found = self._parts.get(kind)
+        if found is None:
+            with _lock:
+                found = self._parts.get(kind)
+                if found is None:
+                    found = self._parts[kind] = build()
+                    if keep:
+                        self._kept.add(kind)
+        return cast(_Part, found)
+
+    def replace_part(self, kind: type[_Part], value: _Part | None) -> None:
+        """Make ``value`` this side's ``kind`` (``None``: build it again on next use)."""
+        with _lock:
+            if value is None:
+                self._parts.pop(kind, None)
+            else:
+                self._parts[kind] = value
+
+    def built(self, kind: type[_Part]) -> _Part | None:
+        """This side's ``kind`` if it was built, without building it."""
+        return cast("_Part | None", self._parts.get(kind))
+
     def override(self, **given: Any) -> None:
         """Use the given backends (``settings``, ``store``, ``ledger``,
         ``client``) from now on; ``None`` for one builds it from the settings again.
@@ -232,9 +262,7 @@ class WorkerSide:
             if after.store is not before.store or after.settings != before.settings:
                 self._store = after.store
             self._ledger = after.ledger
-            self.client = after.client
-            self.fence = None
-            self.tasks = None
+            self._parts = {kind: part for kind, part in self._parts.items() if kind in self._kept}
 
     def install(self, module: str, **given: Any) -> bool:
         """Record that ``module`` installed itself for the app, using the

@@ -14,7 +14,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from celery_sched.errors import (
     CelerySchedError,
@@ -38,6 +38,9 @@ from celery_sched.models import (
 )
 from celery_sched.settings import Settings
 from celery_sched.validation import JobBuilder
+
+if TYPE_CHECKING:
+    from celery_sched.schedules.spec import SpecBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -531,35 +534,22 @@ class ScheduleManager:
         *,
         now: dt.datetime,
         check_task: bool,
-        specs: Any = None,
+        specs: SpecBuilder | None = None,
     ) -> NewSchedule:
         """The validated row of one schedule given as :meth:`add` keywords.
 
-        ``specs`` is a spec builder shared by a batch (see :meth:`add_many`);
-        by default :func:`celery_sched.schedules.make_spec` builds one.
+        ``specs`` is a spec builder shared by a batch (see :meth:`add_many`).
         """
-        from celery_sched import schedules
         from celery_sched.schedules.rows import schedule_row
+        from celery_sched.schedules.spec import SpecBuilder
 
-        # The spec builder checks every value, these two included.
-        name: Any = fields.get("name")
-        task: Any = fields.get("task")
-        if specs is None:
-            build: Any = functools.partial(schedules.make_spec, app=self._client.app)
-        else:
-            build = specs.build
-        spec = build(
-            name,
-            task,
+        builder = specs if specs is not None else SpecBuilder(self._client.app)
+        # The spec builder checks every value, name and task included.
+        spec = builder.from_fields(
+            fields.get("name"),
+            fields.get("task"),
             fields.get("schedule"),
-            args=fields.get("args", ()),
-            kwargs=fields.get("kwargs"),
-            options=fields.get("options"),
-            timezone=fields.get("timezone"),
-            misfire=fields.get("misfire"),
-            overlap=fields.get("overlap"),
-            catchup_window=fields.get("catchup_window"),
-            max_catchup=fields.get("max_catchup"),
+            fields,
             relative=fields.get("relative", False),
             source=fields.get("source", "dynamic"),
             enabled=fields.get("enabled", True),

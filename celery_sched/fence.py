@@ -90,10 +90,7 @@ class DeliveryFence:
 def fence_for(app: Any) -> DeliveryFence:
     """This process's fence for ``app``, built on first use (after any fork)."""
     side = backends.worker_side(app)
-    with side.lock:
-        if side.fence is None:
-            side.fence = DeliveryFence(side.ledger)
-        return side.fence
+    return side.part(DeliveryFence, lambda: DeliveryFence(side.ledger))
 
 
 class FencedRequest:

@@ -58,7 +58,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import celery
 from celery.exceptions import Ignore, Reject, Retry
@@ -201,24 +201,18 @@ def install(
 def runtime_for(app: Any) -> TaskRuntime:
     """This process's ledger, lease keeper and store for ``app``, built on first use."""
     side = backends.worker_side(app)
-    runtime = side.tasks
-    if runtime is None:
-        with side.lock:
-            if side.tasks is None:
-                side.tasks = TaskRuntime(side.settings, side.store, side.ledger)
-            runtime = side.tasks
-    return runtime
+    return side.part(TaskRuntime, lambda: TaskRuntime(side.settings, side.store, side.ledger))
 
 
 def client_for(app: Any) -> Client:
     """The one :class:`~celery_sched.client.Client` of ``app`` in this process."""
-    side = backends.worker_side(app)
-    with side.lock:
-        if side.client is None:
-            from celery_sched.client import Client
+    from celery_sched.client import Client
 
-            side.client = Client(app, settings=side.settings)
-        return side.client
+    side = backends.worker_side(app)
+    given = side.overrides.client
+    if given is not None:
+        return cast(Client, given)
+    return side.part(Client, lambda: Client(app, settings=side.settings))
 
 
 # -- the Task base class -------------------------------------------------------------

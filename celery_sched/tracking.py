@@ -326,15 +326,17 @@ def writer_for(app: Any) -> StatusWriter:
     """This process's status writer for ``app``, started on first use and
     replaced (taking over its unwritten reports) if its thread is gone."""
     side = backends.worker_side(app)
+    writer = side.part(StatusWriter, lambda: StatusWriter(side.store), keep=True)
+    if writer.alive:
+        return writer
     with side.lock:
-        writer = side.writer
-        if writer is None:
-            writer = side.writer = StatusWriter(side.store)
-        elif not writer.alive:
+        writer = side.part(StatusWriter, lambda: StatusWriter(side.store), keep=True)
+        if not writer.alive:
             if not writer.closed:
                 logger.error("the job status writer thread of this process ended; replacing it")
             pending, hostnames = writer.handover()
-            writer = side.writer = StatusWriter(side.store, pending=pending, hostnames=hostnames)
+            writer = StatusWriter(side.store, pending=pending, hostnames=hostnames)
+            side.replace_part(StatusWriter, writer)
         return writer
 
 
@@ -342,7 +344,7 @@ def flush_all(**_: Any) -> None:
     """Write every queued report of this process (worker shutdown, tests);
     nothing later would write what fails now."""
     for side in backends.worker_sides():
-        writer = side.writer
+        writer = side.built(StatusWriter)
         if writer is not None and writer.pid == os.getpid():
             writer.flush(final=True)
 

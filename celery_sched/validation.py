@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery_sched.errors import (
+    CelerySchedError,
     ConfigurationError,
     InvalidArguments,
     InvalidJob,
@@ -193,7 +194,7 @@ class JobBuilder:
         if type(task_name) is not str or not task_name:
             raise UnknownTask(f"task name must be a non-empty string, got {task_name!r}")
         if not task_name.isascii() or "\x00" in task_name:
-            _check_text("task name", task_name)
+            check_text("task name", task_name)
         if check_task and task_name not in self._tasks:
             raise UnknownTask(
                 f"task {task_name!r} is not registered with Celery app {self.app.main!r}; "
@@ -255,7 +256,7 @@ class JobBuilder:
                     f"job key must be 1 to {MAX_KEY_LENGTH} characters, got {len(key)}"
                 )
             if not key.isascii() or "\x00" in key:
-                _check_text("job key", key)
+                check_text("job key", key)
             if caller_key and is_occurrence_key(key):
                 raise InvalidJob(
                     f"job key {key!r} has the form <name>@<UTC instant>Z, which is reserved "
@@ -474,7 +475,7 @@ def _check_message_option(name: str, value: Any) -> Any:
     if name in ("queue", "exchange", "routing_key"):
         if not isinstance(value, str) or (name == "queue" and not value):
             raise InvalidJob(f"option {name} must be a non-empty string, got {value!r}")
-        _check_text(f"option {name}", value)
+        check_text(f"option {name}", value)
         return value
     if name == "priority":
         if type(value) is not int or not 0 <= value <= 255:
@@ -508,14 +509,15 @@ def _check_message_option(name: str, value: Any) -> Any:
     raise AssertionError(f"unhandled message option {name}")  # pragma: no cover
 
 
-def _check_text(what: str, value: str) -> None:
-    """Refuse text PostgreSQL cannot store: NUL characters, lone surrogates."""
+def check_text(what: str, value: str, *, error: type[CelerySchedError] = InvalidJob) -> None:
+    """Refuse text PostgreSQL cannot store (NUL characters, lone surrogates)
+    with ``error`` naming ``what``."""
     if "\x00" in value:
-        raise InvalidJob(f"{what} must not contain NUL characters: {value!r}")
+        raise error(f"{what} must not contain NUL characters: {value!r}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidJob(f"{what} is not valid Unicode text: {value!r}") from exc
+        raise error(f"{what} is not valid Unicode text: {value!r}") from exc
 
 
 def _positive_seconds(name: str, value: Any) -> float | None:

@@ -263,16 +263,9 @@ class Planner:
                 return None, 0  # wait: the previous one may finish in time
             # The previous occurrence is still unfinished at this one's
             # time: overlap "skip" drops every instant up to now.
-            plan = schedules.plan(
-                dataclasses.replace(spec, misfire=MisfirePolicy.SKIP),
-                last_nominal=cursor,
-                now=now,
-                horizon=now,
-                default_misfire=MisfirePolicy.SKIP,
-                catchup_window=s.catchup_window,
-                max_catchup=s.max_catchup,
-                grace=s.misfire_grace,
-                limit=s.plan_batch_size,
+            skip = MisfirePolicy.SKIP
+            plan = self._plan(
+                dataclasses.replace(spec, misfire=skip), cursor, now, now, skip, s.plan_batch_size
             )
             advance = ScheduleAdvance(
                 schedule_id=row.id,
@@ -281,17 +274,8 @@ class Planner:
                 next_nominal_at=plan.next_nominal,
             )
             return advance, plan.skipped + len(plan.occurrences)
-        plan = schedules.plan(
-            spec,
-            last_nominal=cursor,
-            now=now,
-            horizon=horizon,
-            default_misfire=self._default_misfire,
-            catchup_window=s.catchup_window,
-            max_catchup=s.max_catchup,
-            grace=s.misfire_grace,
-            limit=1 if one_at_a_time else s.plan_batch_size,
-        )
+        limit = 1 if one_at_a_time else s.plan_batch_size
+        plan = self._plan(spec, cursor, now, horizon, self._default_misfire, limit)
         occurrences = plan.occurrences
         last_nominal, next_nominal = plan.cursor, plan.next_nominal
         if one_at_a_time and len(occurrences) > 1:
@@ -310,6 +294,29 @@ class Planner:
             skip_if_busy=one_at_a_time,
         )
         return advance, plan.skipped
+
+    def _plan(
+        self,
+        spec: ScheduleSpec,
+        cursor: dt.datetime,
+        now: dt.datetime,
+        horizon: dt.datetime,
+        default_misfire: MisfirePolicy,
+        limit: int,
+    ) -> schedules.Plan:
+        """:func:`celery_sched.schedules.plan` with this planner's settings."""
+        s = self.settings
+        return schedules.plan(
+            spec,
+            last_nominal=cursor,
+            now=now,
+            horizon=horizon,
+            default_misfire=default_misfire,
+            catchup_window=s.catchup_window,
+            max_catchup=s.max_catchup,
+            grace=s.misfire_grace,
+            limit=limit,
+        )
 
     def _occurrence(self, row: StoredSchedule, nominal: dt.datetime, now: dt.datetime) -> NewJob:
         return occurrence_job(

@@ -27,7 +27,7 @@ from celery_sched.schedules.interval import interval_definition
 from celery_sched.schedules.rows import MAX_NAME_LENGTH, occurrence_key
 from celery_sched.settings import Settings
 from celery_sched.timeutil import UTC, get_zone
-from celery_sched.validation import JobBuilder
+from celery_sched.validation import JobBuilder, check_text
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -176,6 +176,20 @@ def schedule_from_spec(spec: ScheduleSpec, *, app: Celery) -> object:
     return clocked(parse_utc(str(definition["at"])), app=app)
 
 
+#: The keywords of :meth:`SpecBuilder.build` that a beat entry or
+#: ``Client.schedules.add`` may leave out.
+OPTIONAL_FIELDS = (
+    "args",
+    "kwargs",
+    "options",
+    "timezone",
+    "misfire",
+    "overlap",
+    "catchup_window",
+    "max_catchup",
+)
+
+
 class SpecBuilder:
     """Builds specs against one app; resolves the app's timezone and the job
     validator once, for apps with many entries (and batches of schedules:
@@ -252,6 +266,23 @@ class SpecBuilder:
         compile_spec(spec)  # the definition evaluates, or InvalidSchedule
         return spec
 
+    def from_fields(
+        self,
+        name: Any,
+        task: Any,
+        schedule: object,
+        fields: Mapping[str, Any],
+        *,
+        relative: Any,
+        source: str,
+        enabled: bool,
+    ) -> ScheduleSpec:
+        """:meth:`build`, its optional keywords read from ``fields`` (absent: ``None``)."""
+        optional = {key: fields.get(key) for key in OPTIONAL_FIELDS}
+        return self.build(
+            name, task, schedule, **optional, relative=relative, source=source, enabled=enabled
+        )
+
     def from_entry(self, name: Any, entry: Any) -> ScheduleSpec:
         what = f"beat_schedule entry {name!r}"
         if not isinstance(entry, Mapping):
@@ -266,18 +297,11 @@ class SpecBuilder:
             if entry.get(required) is None:
                 raise InvalidSchedule(f"{what} has no {required!r}")
         relative = entry.get("relative")
-        return self.build(
+        return self.from_fields(
             name,
             entry["task"],
             entry["schedule"],
-            args=entry.get("args"),
-            kwargs=entry.get("kwargs"),
-            options=entry.get("options"),
-            timezone=entry.get("timezone"),
-            misfire=entry.get("misfire"),
-            overlap=entry.get("overlap"),
-            catchup_window=entry.get("catchup_window"),
-            max_catchup=entry.get("max_catchup"),
+            entry,
             relative=False if relative is None else relative,
             source="static",
             enabled=True,
@@ -394,12 +418,7 @@ def _check_name(name: Any) -> None:
             f"schedule name must be at most {MAX_NAME_LENGTH} characters (it prefixes job "
             f"keys), got {len(name)}: {name[:40]!r}..."
         )
-    if "\x00" in name:
-        raise InvalidSchedule(f"schedule name must not contain NUL characters: {name!r}")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidSchedule(f"schedule name is not valid Unicode text: {name!r}") from exc
+    check_text("schedule name", name, error=InvalidSchedule)
 
 
 def _policy(what: str, label: str, kind: Any, value: Any) -> Any:

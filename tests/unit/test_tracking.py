@@ -396,7 +396,7 @@ def test_a_writer_whose_thread_died_is_replaced_and_its_reports_written(
     app, store = app_and_store
     job_id = _dispatched(store, "orphaned-report")
     tracking.flush_all()
-    backends.worker_side(app).writer = None
+    backends.worker_side(app).replace_part(tracking.StatusWriter, None)
     # A thread that ends at once stands in for one killed by a bug.
     monkeypatch.setattr(tracking.StatusWriter, "_run", lambda self: None)
     dead = tracking.writer_for(app)

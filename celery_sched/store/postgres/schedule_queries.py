@@ -39,7 +39,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from celery_sched.models import UNFINISHED_STATUSES
-from celery_sched.store.postgres.bulk import SCHEDULE_COPY_COLUMNS, copy_sql
+from celery_sched.store.postgres.bulk import COPY_COLUMNS, SCHEDULE_COPY_COLUMNS, copy_sql
 from celery_sched.store.postgres.jobs import skip_taken_keys
 from celery_sched.store.postgres.statements import PENDING, Tables, text_array
 
@@ -62,26 +62,12 @@ DEFINITION_COLUMNS = (
     "enabled",
 )
 
-#: The job columns of an occurrence insert and the array type each travels
-#: in (options as JSON text, cast on the server).
-OCCURRENCE_ARRAYS: tuple[tuple[str, str], ...] = (
-    ("id", "uuid"),
-    ("key", "text"),
-    ("task", "text"),
-    ("body", "bytea"),
-    ("content_type", "text"),
-    ("content_encoding", "text"),
-    ("argsrepr", "text"),
-    ("kwargsrepr", "text"),
-    ("options", "text"),
-    ("due_at", "timestamptz"),
-    ("due_bucket", "int4"),
-    ("expires_at", "timestamptz"),
-    ("max_attempts", "int4"),
-    ("shard", "int4"),
-    ("schedule_id", "int8"),
-    ("visibility_timeout", "float8"),
-    ("max_runtime", "float8"),
+#: The job columns of an occurrence insert, those COPY writes, and the array
+#: type each travels in: options as JSON text (cast on the server), shards as
+#: int4.
+_ARRAY_TYPES = {"jsonb": "text", "int2": "int4"}
+OCCURRENCE_ARRAYS: tuple[tuple[str, str], ...] = tuple(
+    (name, _ARRAY_TYPES.get(kind, kind)) for name, kind in COPY_COLUMNS
 )
 
 UNFINISHED = sorted(status.value for status in UNFINISHED_STATUSES)
