@@ -11,7 +11,8 @@ Every writer and reader of a job's message imports from here:
 - the body (``[args, kwargs, embed]`` in the app's task serializer) with its
   ``argsrepr`` / ``kwargsrepr``, encoded once when a job is scheduled
   (:class:`BodyEncoder`) and stored; dispatch never decodes or re-encodes it;
-- expiry (:func:`is_expired`);
+- what a task declares for its messages (:class:`TaskDefaults`: time limits
+  and ``expires``) and expiry (:func:`is_expired`, :func:`send_expires_at`);
 - the JSON envelope Kombu's Redis transport wraps a message in, which the
   dispatcher writes itself (:class:`RedisEnvelopes`). The AMQP properties of
   the RabbitMQ path are :mod:`celery_sched.dispatch.amqp_wire`.
@@ -29,6 +30,7 @@ batch.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import itertools
 import json
@@ -45,6 +47,7 @@ from kombu.utils.json import dumps as kombu_json_dumps
 
 from celery_sched.errors import InvalidArguments, InvalidJob
 from celery_sched.models import Job
+from celery_sched.timeutil import ensure_utc
 
 # -- names ---------------------------------------------------------------------------
 
@@ -138,7 +141,63 @@ def base_headers(*, origin: str, epoch: int) -> dict[str, Any]:
     }
 
 
-def message_headers(base: dict[str, Any], job: Job, task_id: str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TaskDefaults:
+    """What a task declares for its messages, below a job's own options:
+    the execution options ``send_task`` takes from the task's attributes
+    (``@app.task(time_limit=5, soft_time_limit=3, expires=20)``) that the
+    dispatchers do not already apply through routing.
+
+    ``expires`` is seconds (counted from the send, as for a periodic
+    occurrence; a one-off job gets its task's ``expires`` when it is built,
+    counted from its due time) or an aware instant.
+    """
+
+    time_limit: float | None = None
+    soft_time_limit: float | None = None
+    expires: float | dt.datetime | None = None
+
+    @property
+    def has_time_limits(self) -> bool:
+        return self.time_limit is not None or self.soft_time_limit is not None
+
+
+def task_defaults(task: Any) -> TaskDefaults | None:
+    """The :class:`TaskDefaults` of a registered Celery task, None for an
+    unknown task or one that declares none of them.
+
+    Read as Celery's ``Task._get_exec_options`` reads them: a task's
+    ``time_limit`` defaults to the app's ``task_time_limit``, so that
+    setting reaches the header too, as it does under stock beat.
+    """
+    if task is None:
+        return None
+    time_limit = _number(getattr(task, "time_limit", None))
+    soft_time_limit = _number(getattr(task, "soft_time_limit", None))
+    expires = getattr(task, "expires", None)
+    if isinstance(expires, dt.datetime):
+        expires = ensure_utc(expires, name="expires") if expires.tzinfo is not None else None
+    else:
+        expires = _number(expires)
+    if time_limit is None and soft_time_limit is None and expires is None:
+        return None
+    return TaskDefaults(time_limit=time_limit, soft_time_limit=soft_time_limit, expires=expires)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and type(value) is not bool and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def message_headers(
+    base: dict[str, Any],
+    job: Job,
+    task_id: str,
+    *,
+    expires_at: dt.datetime | None = None,
+    defaults: TaskDefaults | None = None,
+) -> dict[str, Any]:
     """The full headers of ``job``'s message: ``base`` plus the per-job fields.
 
     One dict literal per message: this is the hot path of a publish. The
@@ -146,9 +205,16 @@ def message_headers(base: dict[str, Any], job: Job, task_id: str) -> dict[str, A
     reserved names, and any a row stored before that check carries are
     dropped here, so no protocol field (and no ``celery_sched_*`` header)
     ever comes from it.
+
+    ``expires_at`` is the message's expiry when it is not the job's own
+    (:func:`send_expires_at` of a periodic occurrence); ``defaults`` are
+    what the job's task declares: each of ``time_limit`` and
+    ``soft_time_limit`` the job's options leave out comes from there, as
+    ``send_task`` merges a task's attributes under the caller's options.
     """
     options = job.options
-    expires_at = job.expires_at
+    if expires_at is None:
+        expires_at = job.expires_at
     extra = options.get("headers") if options else None
     if extra:
         extra = {name: value for name, value in extra.items() if not is_reserved_header(name)}
@@ -163,17 +229,55 @@ def message_headers(base: dict[str, Any], job: Job, task_id: str) -> dict[str, A
         KEY_HEADER: job.key,
         ATTEMPT_HEADER: job.attempt,
     }
-    if options:
-        if "time_limit" in options or "soft_time_limit" in options:
-            headers["timelimit"] = [options.get("time_limit"), options.get("soft_time_limit")]
-        if "ignore_result" in options:
-            headers["ignore_result"] = bool(options["ignore_result"])
+    if defaults is not None and defaults.has_time_limits:
+        if options:
+            headers["timelimit"] = [
+                options.get("time_limit", defaults.time_limit),
+                options.get("soft_time_limit", defaults.soft_time_limit),
+            ]
+        else:
+            headers["timelimit"] = [defaults.time_limit, defaults.soft_time_limit]
+    elif options and ("time_limit" in options or "soft_time_limit" in options):
+        headers["timelimit"] = [options.get("time_limit"), options.get("soft_time_limit")]
+    if options and "ignore_result" in options:
+        headers["ignore_result"] = bool(options["ignore_result"])
     return headers
 
 
 def is_expired(job: Job, now: dt.datetime) -> bool:
-    """Whether ``job`` must not be sent at ``now`` (the store's clock)."""
+    """Whether ``job`` must not be sent at ``now`` (the store's clock).
+
+    Only a job's own ``expires_at`` (a one-off job's) can pass before the
+    send; a periodic occurrence's ``expires`` counts from the send
+    (:func:`send_expires_at`).
+    """
     return job.expires_at is not None and job.expires_at <= now
+
+
+def send_expires_at(
+    job: Job, now: dt.datetime, defaults: TaskDefaults | None
+) -> dt.datetime | None:
+    """The expiry of a periodic occurrence's message sent at ``now``.
+
+    A periodic occurrence (``schedule_id`` set) carries its schedule's
+    ``expires`` as seconds in its options; without one its task's
+    ``expires`` applies. Seconds count from the send, as stock beat's
+    ``apply_async`` counts them, so the planner cannot fix the instant in
+    advance: it is resolved here, at publish time. A job with its own
+    ``expires_at`` (every one-off job given an expiry) keeps it, and so
+    does an occurrence stored before expiry moved to the send.
+    """
+    if job.expires_at is not None or job.schedule_id is None:
+        return job.expires_at
+    options = job.options
+    expires = options.get("expires") if options else None
+    if expires is None and defaults is not None:
+        expires = defaults.expires
+    if expires is None:
+        return None
+    if isinstance(expires, dt.datetime):
+        return expires
+    return now + dt.timedelta(seconds=float(expires))
 
 
 # -- reading headers back on a worker ------------------------------------------------

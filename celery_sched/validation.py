@@ -64,8 +64,13 @@ ALLOWED_OPTIONS = MESSAGE_OPTIONS | JOB_OPTIONS
 
 #: Task attributes (``@app.task(base=celery_sched.Task, max_attempts=3)``) that
 #: become the defaults of every job scheduled for that task; a job's own
-#: options override them.
-TASK_JOB_DEFAULTS = ("visibility_timeout", "max_attempts", "max_runtime")
+#: options override them. ``expires`` is Celery's own (``@app.task(expires=20)``):
+#: a one-off job's counts from its due time like the option, so it is fixed
+#: here, in ``expires_at``, for the store to expire the job by. The task's
+#: time limits are applied when the message is sent
+#: (:func:`celery_sched.protocol.task_defaults`), as is a periodic
+#: occurrence's ``expires``, which counts from the send.
+TASK_JOB_DEFAULTS = ("visibility_timeout", "max_attempts", "max_runtime", "expires")
 
 #: The shape of a periodic occurrence's key, exactly as
 #: ``schedules.occurrence_key`` writes it: ``<schedule name>@`` and the

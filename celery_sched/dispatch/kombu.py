@@ -1,11 +1,12 @@
 """Publishing claimed jobs as Celery protocol-2 messages through Kombu.
 
 The per-message path is kept short on purpose (the README's "Benchmarks" give
-the figures): the body is published as the stored bytes, the constant part of the
-headers is built once per batch, routes are resolved once per task name and
-per-job destination, queues are declared once per connection, and on
-transports that support it (Redis) the whole batch goes through one
-``Producer.batch()`` pipeline.
+the figures): the body is published as the stored bytes, the constant part of
+the headers is built once per batch, routes are resolved once per task name and
+per-job destination (per job only when ``task_routes`` has a router that may
+route by the arguments, which are then decoded), queues are declared once per
+connection, and on transports that support it (Redis) the whole batch goes
+through one ``Producer.batch()`` pipeline.
 
 Why this module is over 700 lines: it is one class whose three publish paths
 (Kombu's producer; py-amqp's ``basic_publish`` with properties from
@@ -31,6 +32,7 @@ from typing import Any
 import amqp
 import amqp.exceptions
 import redis.exceptions
+from celery.app.routes import MapRoute
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
 from kombu.entity import maybe_delivery_mode
@@ -42,13 +44,16 @@ from kombu.exceptions import (  # type: ignore[attr-defined]  # missing from kom
 from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder
 from celery_sched.errors import CelerySchedError, PublishError
 from celery_sched.interfaces import Dispatcher, PublishResult
-from celery_sched.models import Job
+from celery_sched.models import Job, accepted_content_types, decode_body
 from celery_sched.protocol import (
     KEY_HEADER,
     RedisEnvelopes,
+    TaskDefaults,
     base_headers,
     is_expired,
     message_headers,
+    send_expires_at,
+    task_defaults,
 )
 from celery_sched.retry import call_with_retry
 from celery_sched.settings import Settings, sanitize_url
@@ -161,9 +166,28 @@ def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
     return refused
 
 
+#: Job options ``send_task`` takes out of the options before it asks the
+#: routers: they become headers, not routing.
+_NOT_ROUTING = frozenset({"time_limit", "soft_time_limit", "ignore_result", "expires"})
+
+
+def _routes_by_arguments(router: Any, task: str) -> bool:
+    """Whether ``task_routes`` may route ``task`` by its arguments: a router
+    other than a dict or glob map (a function, an import path, a router
+    class) comes before any map entry matching the task name. Otherwise the
+    route depends on the name and the job's destination options only."""
+    for entry in router.routes:
+        if not isinstance(entry, MapRoute):
+            return True
+        if entry(task) is not None:
+            return False
+    return False
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Route:
-    """Where messages of one (task, per-job destination) go."""
+    """Where messages of one (task, per-job destination) go, and what the
+    task declares for them (time limits, ``expires``)."""
 
     exchange: str
     routing_key: str
@@ -171,6 +195,7 @@ class Route:
     delivery_mode: int | None
     priority: int | None
     declare: Queue | Exchange | None
+    defaults: TaskDefaults | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -227,6 +252,12 @@ class KombuDispatcher(Dispatcher):
         self._reply_to: str = app.thread_oid
         self._url = sanitize_url(app.connection_for_write().as_uri())
         self._routes: dict[tuple[str, Any, Any, Any], Route] = {}
+        # Per task name: whether its route is computed per job (see
+        # _routes_by_arguments); those routes are interned, since the Redis
+        # envelopes cache per route object.
+        self._by_arguments: dict[str, bool] = {}
+        self._interned: dict[Route, Route] = {}
+        self._accept: frozenset[str] | None = None
         self._connection: Any = None
         self._producer: Any = None
         self._events: Any = None
@@ -345,17 +376,20 @@ class KombuDispatcher(Dispatcher):
         route = routes.get(route_key)
         if route is None:
             try:
-                route = routes[route_key] = self._resolve_route(*route_key)
+                route = self._route(job, route_key)
             except Exception as exc:
                 raise PublishError(f"cannot route task {job.task!r}: {exc!r}") from exc
         priority = route.priority
         if options and "priority" in options:
             priority = options["priority"]
+        expires_at = job.expires_at
+        if expires_at is None and job.schedule_id is not None:
+            expires_at = send_expires_at(job, now, route.defaults)
         expiration = None
-        if job.expires_at is not None:
+        if expires_at is not None:
             # Celery sets the AMQP TTL from ``expires`` too, so RabbitMQ
             # drops the message rather than delivering it late.
-            expiration = (job.expires_at - now).total_seconds()
+            expiration = (expires_at - now).total_seconds()
         task_id = str(job.id)
         return _Message(
             job.id,
@@ -363,14 +397,64 @@ class KombuDispatcher(Dispatcher):
             job.body,
             job.content_type,
             job.content_encoding,
-            message_headers(base, job, task_id),
+            message_headers(base, job, task_id, expires_at=expires_at, defaults=route.defaults),
             route,
             priority,
             expiration,
         )
 
-    def _resolve_route(self, task: str, queue: Any, exchange: Any, routing_key: Any) -> Route:
-        """Route like ``send_task``: task options < task_routes < the job's own."""
+    def _route(self, job: Job, route_key: tuple[str, Any, Any, Any]) -> Route:
+        """The route of ``job``, not found in the cache of ``route_key``s:
+        resolved once and cached, or, when ``task_routes`` may route the
+        task by its arguments, resolved for this job alone."""
+        task = job.task
+        by_arguments = self._by_arguments.get(task)
+        if by_arguments is None:
+            by_arguments = self._by_arguments[task] = _routes_by_arguments(
+                self._app.amqp.router, task
+            )
+        if not by_arguments:
+            route = self._routes[route_key] = self._resolve_route(*route_key)
+            return route
+        accept = self._accept
+        if accept is None:
+            accept = self._accept = accepted_content_types(self._app.conf.accept_content)
+        args, kwargs = decode_body(
+            job.body,
+            job.content_type,
+            job.content_encoding,
+            accept,
+            f"the body of job {job.key!r}",
+        )
+        route = self._resolve_route(
+            task,
+            None,
+            None,
+            None,
+            args=args,
+            kwargs=kwargs,
+            job_options=job.options,
+        )
+        return self._interned.setdefault(route, route)
+
+    def _resolve_route(
+        self,
+        task: str,
+        queue: Any,
+        exchange: Any,
+        routing_key: Any,
+        *,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        job_options: Any = None,
+    ) -> Route:
+        """Route like ``send_task``: task options < task_routes < the job's own.
+
+        The routers get what ``send_task`` gives them: the task name, the
+        job's ``args`` and ``kwargs`` (empty when the route is cached per
+        task name: only maps are configured for it) and the options, the
+        task's own under the job's.
+        """
         app = self._app
         amqp_ = app.amqp
         options: dict[str, Any] = {}
@@ -383,7 +467,11 @@ class KombuDispatcher(Dispatcher):
         for name, value in (("queue", queue), ("exchange", exchange), ("routing_key", routing_key)):
             if value is not None:
                 options[name] = value
-        route = amqp_.router.route(options, task, (), {}, task_type)
+        if job_options:
+            for name, value in job_options.items():
+                if name not in _NOT_ROUTING:
+                    options[name] = value
+        route = amqp_.router.route(options, task, args, kwargs or {}, task_type)
 
         dest = route.get("queue")
         exch = route.get("exchange")
@@ -424,6 +512,7 @@ class KombuDispatcher(Dispatcher):
             delivery_mode=delivery_mode,
             priority=priority,
             declare=declare,
+            defaults=task_defaults(task_type),
         )
 
     # -- I/O ------------------------------------------------------------------

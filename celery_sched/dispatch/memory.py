@@ -11,7 +11,14 @@ from typing import Any
 
 from celery_sched.interfaces import Dispatcher, PublishResult
 from celery_sched.models import Job
-from celery_sched.protocol import base_headers, is_expired, message_headers
+from celery_sched.protocol import (
+    TaskDefaults,
+    base_headers,
+    is_expired,
+    message_headers,
+    send_expires_at,
+    task_defaults,
+)
 
 DEFAULT_QUEUE = "celery"
 
@@ -31,14 +38,19 @@ class PublishedMessage:
     routing_key: str
     priority: int | None
     epoch: int
+    #: The AMQP TTL in seconds the real dispatcher gives the message.
+    expiration: float | None = None
 
 
 class MemoryDispatcher(Dispatcher):
     """Records published messages; can be told to fail.
 
-    Expiry is judged exactly like the real dispatcher (``expires_at <= now``).
+    Expiry is judged exactly like the real dispatcher (``expires_at <= now``),
+    and a periodic occurrence's ``expires`` counts from the send as there.
     Routing is the job's own ``queue`` / ``exchange`` / ``routing_key``
-    options over ``default_queue`` (no ``task_routes``: there is no app).
+    options over ``default_queue`` (no ``task_routes``). Given a Celery
+    ``app``, the time limits and ``expires`` its tasks declare apply as in
+    the real dispatcher (:func:`~celery_sched.protocol.task_defaults`).
     Thread-safe, so an engine thread and a test thread may share it.
     """
 
@@ -48,12 +60,16 @@ class MemoryDispatcher(Dispatcher):
         origin: str = "celery_sched@memory",
         default_queue: str = DEFAULT_QUEUE,
         chunk: int = 500,
+        app: Any = None,
     ):
         if chunk < 1:
             raise ValueError("chunk must be at least 1")
         self.origin = origin
         self.default_queue = default_queue
         self.chunk = chunk
+        #: The Celery app whose tasks' declared options apply (None: none do).
+        self.app = app
+        self._defaults: dict[str, TaskDefaults | None] = {}
         self.messages: list[PublishedMessage] = []
         self.publish_calls = 0
         self.closed = False
@@ -139,14 +155,18 @@ class MemoryDispatcher(Dispatcher):
                             self._fail_next -= 1
                         failed.append(job.id)
                         continue
-                    self.messages.append(self._message(job, base, epoch))
+                    self.messages.append(self._message(job, base, epoch, now))
                     sent.append(job.id)
         return PublishResult(
             sent=sent, failed=failed, expired=expired, rejected=rejected, withheld=withheld
         )
 
-    def _message(self, job: Job, base: dict[str, Any], epoch: int) -> PublishedMessage:
+    def _message(
+        self, job: Job, base: dict[str, Any], epoch: int, now: dt.datetime
+    ) -> PublishedMessage:
         options = job.options
+        defaults = self._task_defaults(job.task)
+        expires_at = send_expires_at(job, now, defaults)
         queue = str(options.get("queue") or self.default_queue)
         exchange = str(options.get("exchange") or "")
         routing_key = str(options.get("routing_key") or queue)
@@ -154,7 +174,9 @@ class MemoryDispatcher(Dispatcher):
         return PublishedMessage(
             job_id=job.id,
             task=job.task,
-            headers=message_headers(base, job, str(job.id)),
+            headers=message_headers(
+                base, job, str(job.id), expires_at=expires_at, defaults=defaults
+            ),
             body=job.body,
             content_type=job.content_type,
             content_encoding=job.content_encoding,
@@ -163,7 +185,17 @@ class MemoryDispatcher(Dispatcher):
             routing_key=routing_key,
             priority=None if priority is None else int(priority),
             epoch=epoch,
+            expiration=None if expires_at is None else (expires_at - now).total_seconds(),
         )
+
+    def _task_defaults(self, task: str) -> TaskDefaults | None:
+        if self.app is None:
+            return None
+        try:
+            return self._defaults[task]
+        except KeyError:
+            defaults = self._defaults[task] = task_defaults(self.app.tasks.get(task))
+            return defaults
 
     def close(self) -> None:
         with self._lock:

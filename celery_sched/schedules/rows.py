@@ -184,9 +184,11 @@ def occurrence_job(
     """The job of one occurrence of ``row`` at ``nominal``: the schedule's
     stored body and options, due at the nominal instant.
 
-    ``expires`` counts from the nominal instant, or from ``now`` for an
-    occurrence run late (a missed one caught up), as beat counts it from
-    sending.
+    ``expires`` counts from the send, as beat counts it: the job keeps the
+    seconds in its options (as ``expires``) and no ``expires_at``, and the
+    dispatcher fixes the instant when it publishes
+    (:func:`celery_sched.protocol.send_expires_at`). An occurrence that waits
+    in the store (a leader down, a backlog) is therefore still sent.
     """
     options = row.options
     message = {
@@ -194,7 +196,10 @@ def occurrence_job(
         for name, value in options.items()
         if name in MESSAGE_OPTIONS and value is not None
     }
-    expires_at = _expires_at(row, max(nominal, now))
+    # Checked here all the same: a value no send could count from marks the
+    # schedule broken now, not each of its jobs rejected later.
+    if _expires_at(row, max(nominal, now)) is not None:
+        message["expires"] = float(row.options["expires"])
     key = occurrence_key(row.name, nominal)
     return NewJob(
         id=job_id,
@@ -207,7 +212,6 @@ def occurrence_job(
         kwargsrepr=row.kwargsrepr,
         options=message or EMPTY_OPTIONS,
         due_at=nominal,
-        expires_at=expires_at,
         max_attempts=int(options.get("max_attempts") or max_attempts),
         shard=shard_of(key),
         schedule_id=row.id,

@@ -13,9 +13,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from celery import Celery
 from kombu.serialization import dumps
 
-from celery_sched.interfaces import PublishResult
+from celery_sched.dispatch.memory import MemoryDispatcher
+from celery_sched.interfaces import Dispatcher, PublishResult
 from celery_sched.models import Job, JobStatus
 from celery_sched.timeutil import to_bucket
 from tests.contract.conftest import ORIGIN, UNROUTABLE_QUEUE, Delivered, DispatchBackend
@@ -29,14 +31,17 @@ def claimed(
     options: dict[str, Any] | None = None,
     expires_at: dt.datetime | None = None,
     attempt: int = 1,
+    task: str = TASK,
+    due_at: dt.datetime | None = None,
+    schedule_id: int | None = None,
 ) -> Job:
     """A job as a claim hands it to the dispatcher."""
     content_type, encoding, body = dumps([[1, 2], {"a": 3}, {}], serializer="json")
-    now = dt.datetime.now(dt.UTC)
+    now = due_at or dt.datetime.now(dt.UTC)
     return Job(
         id=uuid.uuid4(),
         key=key or f"k-{uuid.uuid4().hex[:8]}",
-        task=TASK,
+        task=task,
         body=body if isinstance(body, bytes) else body.encode(),
         content_type=content_type,
         content_encoding=encoding,
@@ -48,7 +53,23 @@ def claimed(
         options=options or {},
         expires_at=expires_at,
         attempt=attempt,
+        schedule_id=schedule_id,
     )
+
+
+def with_task(dispatch: DispatchBackend, name: str, **attributes: Any) -> Dispatcher:
+    """A dispatcher whose Celery app has the task ``name`` declaring
+    ``attributes``: the Kombu backends' own app, a new one for the fake."""
+    app = getattr(dispatch, "app", None) or Celery("contract_tasks", set_as_current=False)
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        """A task that only declares options."""
+
+    app.task(name=name, shared=False, **attributes)(run)
+    dispatcher = dispatch.dispatcher()
+    if isinstance(dispatcher, MemoryDispatcher):
+        dispatcher.app = app
+    return dispatcher
 
 
 def ids(jobs: Sequence[Job]) -> list[uuid.UUID]:
@@ -170,6 +191,43 @@ def test_a_jobs_headers_option_adds_headers_and_overrides_none_of_ours(
     assert headers["celery_sched_epoch"] == 3
     assert headers["timelimit"] == [5, None]
     assert headers["ignore_result"] is True
+
+
+def test_the_time_limits_a_task_declares_are_in_the_header_under_the_jobs_own(
+    dispatch: DispatchBackend,
+) -> None:
+    """``@app.task(time_limit=5, soft_time_limit=3)`` reaches the worker as
+    stock Celery sends it; a job's own limit wins over the task's, limit by limit."""
+    dispatcher = with_task(dispatch, "proj.limited", time_limit=5, soft_time_limit=3)
+    declared = claimed(task="proj.limited")
+    own = claimed(task="proj.limited", options={"time_limit": 10})
+    plain = claimed(options={"soft_time_limit": 2})
+    result = dispatcher.publish([declared, own, plain], epoch=1, now=dt.datetime.now(dt.UTC))
+    assert result == PublishResult(sent=ids([declared, own, plain]))
+
+    by_id = {message.task_id: message.headers for message in dispatch.delivered(3)}
+    assert by_id[str(declared.id)]["timelimit"] == [5, 3]
+    assert by_id[str(own.id)]["timelimit"] == [10, 3]
+    assert by_id[str(plain.id)]["timelimit"] == [None, 2]
+
+
+def test_a_periodic_occurrences_expires_counts_from_the_send(
+    dispatch: DispatchBackend,
+) -> None:
+    """An occurrence (``schedule_id`` set) carries ``expires`` as seconds and
+    no ``expires_at``: the message expires that long after it is sent, as
+    under stock beat, however late the send; so does its task's ``expires``."""
+    dispatcher = with_task(dispatch, "proj.expiring", expires=20)
+    now = dt.datetime.now(dt.UTC)
+    long_ago = now - dt.timedelta(minutes=5)
+    own = claimed(options={"expires": 30.0}, due_at=long_ago, schedule_id=1)
+    declared = claimed(task="proj.expiring", due_at=long_ago, schedule_id=2)
+    result = dispatcher.publish([own, declared], epoch=1, now=now)
+    assert result == PublishResult(sent=ids([own, declared]))
+
+    by_id = {message.task_id: message.headers for message in dispatch.delivered(2)}
+    assert by_id[str(own.id)]["expires"] == (now + dt.timedelta(seconds=30)).isoformat()
+    assert by_id[str(declared.id)]["expires"] == (now + dt.timedelta(seconds=20)).isoformat()
 
 
 def test_a_job_goes_to_the_queue_and_priority_its_options_name(

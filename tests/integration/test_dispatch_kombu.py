@@ -51,10 +51,12 @@ def make_job(
     options: dict[str, Any] | None = None,
     expires_at: dt.datetime | None = None,
     attempt: int = 0,
+    due_at: dt.datetime | None = None,
+    schedule_id: int | None = None,
 ) -> Job:
     kwargs = kwargs or {}
     content_type, encoding, body = dumps([list(args), kwargs, EMBED], serializer="json")
-    now = dt.datetime.now(dt.UTC)
+    now = due_at or dt.datetime.now(dt.UTC)
     return Job(
         id=uuid.uuid4(),
         key=key or f"job-{uuid.uuid4().hex[:8]}",
@@ -70,7 +72,18 @@ def make_job(
         options=options or {},
         expires_at=expires_at,
         attempt=attempt,
+        schedule_id=schedule_id,
     )
+
+
+def take(app: Celery, queue: str) -> list[Any]:
+    """Every message in ``queue``, in arrival order, as a consumer gets them."""
+    got = []
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        while (message := channel.basic_get(queue, no_ack=True)) is not None:
+            got.append(message)
+    return got
 
 
 class Worker:
@@ -565,3 +578,108 @@ def test_the_engine_sends_a_batch_around_a_job_redis_refuses_until_that_job_is_d
         store.close()
         client.delete(unique_name, bad_queue, f"_kombu.binding.{unique_name}")
         client.close()
+
+
+def test_a_task_routes_function_routes_each_job_by_its_arguments(
+    redis_url: str, unique_name: str
+) -> None:
+    """Issue 15, point 6: the router was called with ``()`` and ``{}`` once per
+    task name, so every job went where the first one did. It now gets each
+    job's arguments and options, as under ``send_task``."""
+    region_queues = {region: f"{unique_name}_{region}" for region in ("eu", "us", "ap")}
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any]]] = []
+
+    def by_region(
+        name: str, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any], **_: Any
+    ) -> dict[str, str] | None:
+        if name != RECORD_TASK:
+            return None
+        calls.append((name, tuple(args), dict(kwargs), dict(options)))
+        region = kwargs.get("region", args[0] if args else None)
+        if region == "nowhere":
+            raise LookupError("no queue for region 'nowhere'")
+        return {"queue": region_queues[region]} if region in region_queues else None
+
+    app = make_app(redis_url, unique_name + "_routed")
+    app.conf.task_default_queue = unique_name
+    app.conf.task_routes = (by_region, {ROUTED_TASK: {"queue": unique_name + "_routed"}})
+    regions = ["eu", "us", "ap", "us", "eu", "ap", "eu"]
+    jobs = [make_job(RECORD_TASK, (region, i)) for i, region in enumerate(regions)]
+    by_kwarg = make_job(RECORD_TASK, (), {"region": "ap"}, options={"priority": 3})
+    unknown = make_job(RECORD_TASK, ("mars",))  # the router has no answer: default queue
+    failing = make_job(RECORD_TASK, ("nowhere",))
+    routed = make_job(ROUTED_TASK, ("by name",))  # a dict route, cached per task name
+    dispatcher = KombuDispatcher(app, Settings(redis_url=redis_url))
+    everything = [*jobs[:3], failing, *jobs[3:], by_kwarg, unknown, routed]
+    try:
+        result = dispatcher.publish(everything, epoch=1, now=dt.datetime.now(dt.UTC))
+        assert list(result.rejected) == [failing.id]
+        assert "no queue for region 'nowhere'" in result.rejected[failing.id]
+        assert result.sent == [job.id for job in everything if job is not failing]
+        assert result.failed == [] and result.expired == []
+
+        for region, queue in region_queues.items():
+            expected = [job for job, r in zip(jobs, regions, strict=True) if r == region]
+            if region == "ap":
+                expected.append(by_kwarg)
+            got = take(app, queue)
+            assert [m.headers["id"] for m in got] == [str(job.id) for job in expected], region
+            assert {m.delivery_info["routing_key"] for m in got} == {queue}
+        assert [m.headers["id"] for m in take(app, unique_name)] == [str(unknown.id)]
+        assert [m.headers["id"] for m in take(app, unique_name + "_routed")] == [str(routed.id)]
+        # What send_task gives a router: the job's arguments and options.
+        assert ("dispatch_app.record", (), {"region": "ap"}, {"priority": 3}) in calls
+        assert (RECORD_TASK, ("eu", 0), {}, {}) in calls
+    finally:
+        dispatcher.close()
+        queues = [*region_queues.values(), unique_name, unique_name + "_routed"]
+        delete_queues(app, queues, redis_url)
+
+
+@pytest.mark.parametrize("path", ["direct", "kombu"])
+def test_the_options_a_task_declares_reach_the_message(
+    broker: str, publisher_app: Celery, queues: dict[str, str], path: str
+) -> None:
+    """Issue 15, point 4: ``@app.task(time_limit=5, soft_time_limit=3)`` sent
+    no ``timelimit`` and ``@app.task(expires=20)`` no ``expires``. Both paths
+    of each broker: Redis's own LPUSH or RabbitMQ's own basic_publish
+    ("direct"), and Kombu's producer ("kombu")."""
+    app = publisher_app
+
+    @app.task(name="dispatch_app.limited", shared=False, time_limit=5, soft_time_limit=3)
+    def limited(*args: Any) -> None:
+        """Declares time limits."""
+
+    @app.task(name="dispatch_app.expiring", shared=False, expires=20)
+    def expiring(*args: Any) -> None:
+        """Declares an expiry."""
+
+    if path == "kombu":
+        # Task-sent events take Redis off its own path; py-amqp has a switch.
+        app.conf.task_send_sent_event = True
+    dispatcher = KombuDispatcher(app, Settings(hostname="celery_sched@test"))
+    dispatcher.amqp_direct = path == "direct"
+    now = dt.datetime.now(dt.UTC)
+    long_ago = now - dt.timedelta(minutes=10)
+    declared = make_job("dispatch_app.limited", (1,))
+    own = make_job("dispatch_app.limited", (2,), options={"soft_time_limit": 1})
+    periodic = make_job("dispatch_app.expiring", (3,), due_at=long_ago, schedule_id=4)
+    scheduled = make_job(RECORD_TASK, (4,), options={"expires": 60.0}, schedule_id=5)
+    jobs = [declared, own, periodic, scheduled]
+    try:
+        result = dispatcher.publish(jobs, epoch=1, now=now)
+    finally:
+        dispatcher.close()
+    assert result.sent == [job.id for job in jobs]
+
+    got = {m.headers["id"]: m for m in take(app, queues["default"])}
+    assert list(got) == [str(job.id) for job in jobs]
+    assert got[str(declared.id)].headers["timelimit"] == [5, 3]
+    assert got[str(own.id)].headers["timelimit"] == [5, 1]
+    assert got[str(declared.id)].headers["expires"] is None
+    for job, seconds in ((periodic, 20), (scheduled, 60)):
+        message = got[str(job.id)]
+        assert message.headers["expires"] == (now + dt.timedelta(seconds=seconds)).isoformat()
+        assert message.headers["timelimit"] == [None, None]
+        # The broker's TTL says the same (RabbitMQ drops the message then).
+        assert message.properties["expiration"] == str(seconds * 1000)

@@ -14,6 +14,7 @@ from celery_sched.protocol import (
     KEY_HEADER,
     base_headers,
     message_headers,
+    task_defaults,
 )
 from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
@@ -114,3 +115,26 @@ def test_a_stored_headers_option_never_overrides_protocol_fields() -> None:
     assert ours["tenant"] == "a" and "celery_sched_failures" not in ours
     assert (ours["eta"], ours["retries"], ours["shadow"], ours[EPOCH_HEADER]) == (None, 0, None, 3)
     assert base == base_headers(origin="celery_sched@test", epoch=3)  # not mutated
+
+
+def test_the_time_limits_a_task_declares_match_what_celery_sends() -> None:
+    """``apply_async`` merges the task's ``time_limit`` / ``soft_time_limit``
+    under the caller's options; the header is what ``as_task_v2`` makes of them."""
+    app = _app()
+
+    @app.task(name="proj.limited", shared=False, time_limit=5, soft_time_limit=3)
+    def limited(a: int, b: str, flag: bool, nested: dict[str, list[int]]) -> None:
+        """A task declaring time limits."""
+
+    job, _ = _stored(app)
+    job = dataclasses.replace(job, task="proj.limited")  # type: ignore[type-var]
+    defaults = task_defaults(app.tasks["proj.limited"])
+    base = base_headers(origin="celery_sched@test", epoch=1)
+    ours = message_headers(base, job, str(job.id), defaults=defaults)  # type: ignore[attr-defined]
+    theirs = _celery_headers(app, job, time_limit=5, soft_time_limit=3)
+    assert {k: v for k, v in ours.items() if k not in OURS} == theirs
+    assert ours["timelimit"] == [5, 3]
+
+    own = dataclasses.replace(job, options={"time_limit": 10})  # type: ignore[type-var]
+    ours = message_headers(base, own, str(job.id), defaults=defaults)  # type: ignore[attr-defined]
+    assert ours["timelimit"] == [10, 3]

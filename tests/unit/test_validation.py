@@ -426,6 +426,26 @@ def test_expires_as_datetime(builder: JobBuilder) -> None:
     assert naive.expires_at == NOW + dt.timedelta(hours=1)  # 09:00 New York = 13:00Z
 
 
+def test_the_tasks_expires_counts_from_the_due_time_unless_the_job_gives_its_own(
+    app: Celery,
+) -> None:
+    """Issue 15, point 4: ``@app.task(expires=20)`` reached workers as
+    ``expires=None``. A one-off job keeps the documented rule: seconds
+    after its due time, fixed in ``expires_at`` for the store."""
+
+    @app.task(name="tests.expiring", shared=False, expires=20)
+    def expiring() -> None:
+        return None
+
+    builder = JobBuilder(app, Settings())
+    job = build(builder, "tests.expiring", countdown=60)
+    assert job.expires_at == NOW + dt.timedelta(seconds=80)
+    assert dict(job.options) == {}  # a row field, not a message option
+    own = build(builder, "tests.expiring", countdown=60, options={"expires": 5, "queue": "q"})
+    assert own.expires_at == NOW + dt.timedelta(seconds=65)
+    assert build(builder, "tests.add", countdown=60).expires_at is None
+
+
 @pytest.mark.parametrize(
     "expires", [0, -5, math.nan, NOW, NOW - dt.timedelta(seconds=1), True, "soon"]
 )
