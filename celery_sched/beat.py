@@ -156,8 +156,10 @@ class Scheduler(beat.Scheduler):
         settings = self.settings
         lines = [
             f"    . shard -> {settings.shard} of {settings.shards}",
-            f"    . store -> {settings.safe_database_url} (schema {settings.db_schema})",
-            f"    . redis -> {settings.safe_redis_url} (prefix {settings.key_prefix})",
+            f"    . store -> {settings.safe_database_url} (schema {settings.db_schema}; "
+            f"from {settings.origin('database_url')})",
+            f"    . redis -> {settings.safe_redis_url} (prefix {settings.key_prefix}; "
+            f"from {settings.origin('redis_url')})",
         ]
         if self._engine is not None:
             lines.insert(0, f"    . role -> {self._engine.role} (epoch {self._engine.epoch})")

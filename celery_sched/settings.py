@@ -1,19 +1,40 @@
 """Settings: the only reader of ``app.conf`` and ``CELERY_SCHED_*`` variables.
 
-Each setting is looked up as ``app.conf.celery_sched_<name>``, then the
-environment variable ``CELERY_SCHED_<NAME>``, then its default. The ``doc``
-metadata of every field is the line the README's configuration table shows.
+A setting ``<name>`` is given in the app's configuration under any of these
+keys: ``celery_sched_<name>``, ``CELERY_SCHED_<NAME>`` (what a Django project
+or an upper-case settings module writes) and, under a namespace such as
+Django's ``config_from_object("django.conf:settings", namespace="CELERY")``,
+Celery's own namespaced key ``CELERY_CELERY_SCHED_<NAME>``. Precedence,
+first found wins:
+
+1. keyword arguments to :meth:`Settings.from_app` / :meth:`Settings.from_mapping`;
+2. the app's configuration, in Celery's order: values set in code
+   (``app.conf.x = ...``, ``app.conf.update``, ``Celery(...)`` arguments),
+   then the configuration object or module, then ``app.add_defaults``; within
+   one of these the keys above are tried in the order written (two keys with
+   different values in one place draw a warning);
+3. the environment variable ``CELERY_SCHED_<NAME>``;
+4. the default.
+
+A key of the app's configuration that looks like a celery_sched setting but
+names none (``celery_sched_databse_url``, ``CELERY_SCHED_REDIS_ULR``, a casing
+nothing reads) draws an :class:`IgnoredSettingWarning` naming the closest
+valid key. The ``doc`` metadata of every field is the line the README's
+configuration table shows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 import re
 import socket
+import types
 import urllib.parse
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sqlalchemy.engine import URL, make_url
@@ -22,6 +43,17 @@ from sqlalchemy.exc import ArgumentError
 from celery_sched.errors import ConfigurationError, InvalidURL
 
 PREFIX = "celery_sched_"
+
+#: :meth:`Settings.origin` of a value nothing was read for.
+DEFAULT = "default"
+#: :meth:`Settings.origin` of a keyword argument to ``from_app``/``from_mapping``.
+ARGUMENT = "argument"
+
+
+class IgnoredSettingWarning(UserWarning):
+    """A key of the app's configuration is ignored: it looks like a
+    celery_sched setting but names none, or another key in the same place
+    gives the same setting a different value."""
 
 
 def _field(default: Any, doc: str) -> Any:
@@ -130,6 +162,10 @@ class Settings:
     hostname: str = _field(
         "", "Name this dispatcher reports in task-sent events (default: celery_sched@<host>)."
     )
+    # Not a setting: where each value was read from (see ``origin``).
+    _origins: Mapping[str, str] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.sqlalchemy_url()  # validates
@@ -186,32 +222,62 @@ class Settings:
     @classmethod
     def from_app(cls, app: Any, **overrides: Any) -> Settings:
         """Read settings from a Celery app's configuration and the environment."""
-        return cls.from_mapping(app.conf, os.environ, **overrides)
+        conf = app.conf
+        # A pending configuration reads the config object on first access;
+        # its maps are only there afterwards.
+        if callable(getattr(conf, "finalize", None)):
+            conf.finalize()
+            conf = app.conf
+        return cls.from_mapping(conf, os.environ, namespace=app.namespace, **overrides)
 
     @classmethod
     def from_mapping(
         cls,
         conf: Mapping[str, Any],
         environ: Mapping[str, str] | None = None,
+        *,
+        namespace: str | None = None,
         **overrides: Any,
     ) -> Settings:
+        """Read settings from ``conf`` (a mapping, or Celery's ``app.conf``
+        whose maps are read one by one), then ``environ``.
+
+        ``namespace`` is the one given to ``config_from_object``: it adds
+        Celery's namespaced keys (``CELERY_CELERY_SCHED_<NAME>``).
+        """
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            if field.name in overrides:
-                values[field.name] = overrides[field.name]
-                continue
-            key = PREFIX + field.name
-            raw = conf.get(key)
-            if raw is None:
-                raw = environ.get(key.upper())
-            if raw is None:
-                continue
-            values[field.name] = _coerce(field, raw)
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        fields = setting_fields()
+        unknown = set(overrides) - {f.name for f in fields}
         if unknown:
             raise ConfigurationError(f"unknown celery_sched settings: {sorted(unknown)}")
-        return cls(**values)
+        places = _places(conf)
+        _warn_unknown_keys(places, namespace)
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}
+        for field in fields:
+            if field.name in overrides:
+                values[field.name] = overrides[field.name]
+                origins[field.name] = ARGUMENT
+                continue
+            found = _lookup(places, setting_keys(field.name, namespace))
+            if found is None:
+                variable = (PREFIX + field.name).upper()
+                raw = environ.get(variable)
+                if raw is None:
+                    origins[field.name] = DEFAULT
+                    continue
+                found = (f"environment {variable}", raw)
+            origins[field.name], raw = found
+            values[field.name] = _coerce(field, raw)
+        settings = cls(**values)
+        object.__setattr__(settings, "_origins", types.MappingProxyType(origins))
+        return settings
+
+    def origin(self, name: str) -> str:
+        """Where setting ``name`` came from: ``app config <key>``,
+        ``environment <VARIABLE>``, ``argument``, ``default``, or ``code`` for
+        settings built directly (``Settings(...)``, ``dataclasses.replace``)."""
+        return self._origins.get(name, "code")
 
     def __repr__(self) -> str:
         # Settings end up in tracebacks and debug logs: no URL shows a password.
@@ -222,7 +288,7 @@ class Settings:
                 if field.name.endswith("_url") and isinstance(value, str)
                 else value
             )
-            for field in dataclasses.fields(self)
+            for field in setting_fields()
             for value in (getattr(self, field.name),)
         )
         return f"{type(self).__name__}({fields})"
@@ -264,6 +330,102 @@ class Settings:
     @functools.cached_property
     def safe_redis_url(self) -> str:
         return sanitize_url(self.redis_url)
+
+
+def setting_fields() -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of :class:`Settings` that are settings, in declaration order."""
+    return tuple(field for field in dataclasses.fields(Settings) if field.init)
+
+
+def setting_keys(name: str, namespace: str | None = None) -> tuple[str, ...]:
+    """The keys of the app's configuration that give setting ``name``, in the
+    order they are tried."""
+    keys = [PREFIX + name, (PREFIX + name).upper()]
+    if namespace:
+        # Celery's ConfigurationView: the namespace, then the key in the
+        # namespace's case (``match_case``).
+        spaced = f"{namespace.rstrip('_')}_{PREFIX}{name}"
+        keys.append(spaced.upper() if f"{namespace.rstrip('_')}_".isupper() else spaced.lower())
+    return tuple(keys)
+
+
+def _places(conf: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The mappings of ``conf`` in Celery's order of precedence.
+
+    Read one by one and by exact key: a Celery ``Settings`` view would answer
+    ``celery_sched_x`` with ``CELERY_CELERY_SCHED_X`` under a namespace, so
+    which key a value came from would be lost.
+    """
+    maps = getattr(conf, "maps", None)
+    return list(maps) if isinstance(maps, list) else [conf]
+
+
+def _lookup(places: list[Mapping[str, Any]], keys: tuple[str, ...]) -> tuple[str, Any] | None:
+    """``("app config <key>", value)`` of the first key given in the first
+    place that gives one; ``None`` when no place does. ``None`` values count
+    as not given."""
+    for place in places:
+        given = [(key, place[key]) for key in keys if key in place and place[key] is not None]
+        if not given:
+            continue
+        key, value = given[0]
+        others = [other for other, other_value in given[1:] if other_value != value]
+        if others:
+            warnings.warn(
+                f"celery_sched: {key!r} and {', '.join(map(repr, others))} are both set in "
+                f"one place of the app configuration, with different values; using {key!r}",
+                IgnoredSettingWarning,
+                stacklevel=4,
+            )
+        return f"app config {key}", value
+    return None
+
+
+def _keys(places: list[Mapping[str, Any]]) -> Iterator[str]:
+    for place in places:
+        for key in place:
+            if isinstance(key, str):
+                yield key
+
+
+def _spelled_name(key: str, namespace: str | None) -> tuple[str, bool] | None:
+    """``(name, namespaced)``: the setting name ``key`` spells, lower-cased,
+    and whether it carries a namespace; ``None`` for a key that is no
+    celery_sched key. ``CELERY_`` counts as a namespace even when none is
+    configured: it is the one Django's docs use."""
+    lowered = key.lower()
+    for outer in (namespace, "celery"):
+        if outer and lowered.startswith(f"{outer.rstrip('_').lower()}_{PREFIX}"):
+            return lowered[len(outer.rstrip("_")) + 1 + len(PREFIX) :], True
+    if lowered.startswith(PREFIX):
+        return lowered[len(PREFIX) :], False
+    return None
+
+
+def _warn_unknown_keys(places: list[Mapping[str, Any]], namespace: str | None) -> None:
+    """Warn about each key that looks like a celery_sched setting and is not read."""
+    names = [field.name for field in setting_fields()]
+    valid = {key for name in names for key in setting_keys(name, namespace)}
+    for key in sorted(set(_keys(places)) - valid):
+        spelled = _spelled_name(key, namespace)
+        if spelled is None:
+            continue
+        name, namespaced = spelled
+        close = [name] if name in names else difflib.get_close_matches(name, names, n=1)
+        if close:
+            lower, upper, *spaced = setting_keys(close[0], namespace)
+            like = upper if key.isupper() else lower
+            if namespaced and spaced and spaced[0].isupper() == key.isupper():
+                like = spaced[0]
+            hint = f"; did you mean {like!r}?"
+        else:
+            hint = ""
+        warnings.warn(
+            f"celery_sched ignores {key!r} in the app configuration (no setting has that "
+            f"key){hint}",
+            IgnoredSettingWarning,
+            stacklevel=4,
+        )
 
 
 def _coerce(field: dataclasses.Field[Any], raw: Any) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from celery_sched.settings import PREFIX, Settings
+from celery_sched.settings import PREFIX, setting_fields
 
 
 def _default(field: dataclasses.Field[object]) -> str:
@@ -30,7 +30,7 @@ def render_table() -> str:
         "| setting | environment variable | default | meaning |",
         "|---|---|---|---|",
     ]
-    for field in dataclasses.fields(Settings):
+    for field in setting_fields():
         name = PREFIX + field.name
         doc = _escape(field.metadata["doc"])
         lines.append(f"| `{name}` | `{name.upper()}` | {_default(field)} | {doc} |")
