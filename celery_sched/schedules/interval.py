@@ -9,7 +9,15 @@ from typing import Any
 
 from celery_sched.errors import InvalidSchedule
 from celery_sched.schedules.compiled import Compiled
-from celery_sched.schedules.wallclock import DAY, HOUR, MICROSECOND, MINUTE, wall_to_utc
+from celery_sched.schedules.wallclock import (
+    DAY,
+    HOUR,
+    MICROSECOND,
+    MINUTE,
+    SECOND,
+    wall_to_utc,
+)
+from celery_sched.timeutil import UTC
 
 #: Interval lengths by their seconds, filled as intervals compile, so that
 #: :func:`~celery_sched.schedules.evaluate.next_after` steps an interval
@@ -47,20 +55,25 @@ class CompiledInterval(Compiled):
         # of the interval's resolution at or before now + every, on the wall
         # clock; day intervals add calendar days.
         every = self.every
-        local = now.astimezone(self.zone).replace(tzinfo=None)
         if every >= DAY:
-            wall = (local + every).replace(hour=0, minute=0, second=0, microsecond=0)
-        else:
-            wall = (now + every).astimezone(self.zone).replace(tzinfo=None)
-            if every >= HOUR:
-                wall = wall.replace(minute=0, second=0, microsecond=0)
-            elif every >= MINUTE:
-                wall = wall.replace(second=0, microsecond=0)
-            else:
-                wall = wall.replace(microsecond=0)
-        first = wall_to_utc(wall, self.zone)
-        # Rounding can reach back past now only around a DST change.
-        return first if first > now else now + every
+            local = now.astimezone(self.zone).replace(tzinfo=None)
+            midnight = (local + every).replace(hour=0, minute=0, second=0, microsecond=0)
+            first = wall_to_utc(midnight, self.zone)
+            return first if first > now else now + every
+        target = now + every
+        unit = HOUR if every >= HOUR else MINUTE if every >= MINUTE else SECOND
+        wall = _floor(target.astimezone(self.zone).replace(tzinfo=None), unit)
+        # Rounding down can land in a repeated hour (both passes count) and,
+        # when clocks fall back by part of an hour or off the hour, before
+        # now: then the next boundary is the first, as in Celery.
+        boundaries = _instants(wall, self.zone)
+        if every >= MINUTE:
+            boundaries += _instants(wall + unit, self.zone)
+        future = [moment for moment in boundaries if moment > now]
+        before_target = [moment for moment in future if moment <= target]
+        if before_target:
+            return max(before_target)
+        return min(future, default=target)
 
     def count(self, cursor: dt.datetime, cutoff: dt.datetime) -> int:
         if cutoff <= cursor:
@@ -75,6 +88,24 @@ class CompiledInterval(Compiled):
         if floor is not None and floor > cursor:
             first = max(first, -((cursor - floor) // self.every))  # ceil((floor-cursor)/every)
         return [cursor + k * self.every for k in range(first, last + 1)]
+
+
+def _floor(wall: dt.datetime, unit: dt.timedelta) -> dt.datetime:
+    """``wall`` (naive) rounded down to a whole ``unit`` (second, minute or hour)."""
+    if unit == HOUR:
+        return wall.replace(minute=0, second=0, microsecond=0, fold=0)
+    if unit == MINUTE:
+        return wall.replace(second=0, microsecond=0, fold=0)
+    return wall.replace(microsecond=0, fold=0)
+
+
+def _instants(wall: dt.datetime, zone: dt.tzinfo) -> list[dt.datetime]:
+    """The instants a naive wall-clock time stands for: both passes of a
+    repeated time, the end of the gap for one that does not exist."""
+    first = wall_to_utc(wall.replace(fold=0), zone)
+    second = wall.replace(tzinfo=zone, fold=1).astimezone(UTC)
+    # In a gap the fold=1 reading lies before the first: it is no instant.
+    return [first, second] if second > first else [first]
 
 
 def interval_definition(what: str, every: Any) -> dict[str, Any]:

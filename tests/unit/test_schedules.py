@@ -41,6 +41,7 @@ from celery_sched.schedules import (
     spec_from_entry,
     specs_from_app,
 )
+from celery_sched.schedules.cron import CronString, cron_from_string
 from celery_sched.store.schema import SCHEDULE_KINDS as TABLE_KINDS
 
 UTC = dt.UTC
@@ -187,6 +188,103 @@ def test_cron_strings_and_macros(app: Celery) -> None:
     assert next_after(daily, at("2024-05-05 10:00")) == at("2024-05-06 00:00")
     with pytest.raises(InvalidSchedule, match="5 fields"):
         make_spec("c", "t", "*/5 * * *", app=app)
+
+
+def test_cron_string_extensions_are_stored_as_cron_text(app: Celery) -> None:
+    def stored(text: str) -> dict[str, Any]:
+        return dict(make_spec("c", "t", text, app=app).spec)
+
+    # What Celery's crontab can say is stored in its syntax; L, LW, nL and n#k as cron tokens.
+    assert stored("5/15 3/6 L * 7") == {
+        "minute": "5,20,35,50",
+        "hour": "3,9,15,21",
+        "day_of_week": "0",
+        "day_of_month": "L",
+        "month_of_year": "*",
+    }
+    assert stored("0 9 1,lw * 5-7")["day_of_month"] == "1,LW"
+    assert stored("0 9 1,lw * 5-7")["day_of_week"] == "0,5,6"
+    assert stored("0 9 * * 5L,7l")["day_of_week"] == "5L,0L"
+    # Celery's parser reads mon#2 and mon/2 as every Monday; a cron string means cron.
+    assert stored("0 9 * * mon#2")["day_of_week"] == "1#2"
+    assert stored("0 9 * * mon/2")["day_of_week"] == "0,1,3,5"
+    assert stored("0 9 * * mon-fri")["day_of_week"] == "mon-fri"  # as before
+    # A crontab object keeps Celery's reading, stored and evaluated as before.
+    legacy = make_spec("c", "t", crontab(minute="0", hour="9", day_of_week="mon#2"), app=app)
+    assert legacy.spec["day_of_week"] == "mon#2"
+    assert next_after(legacy, at("2024-01-01 10:00")) == at("2024-01-08 09:00")  # a Monday
+    assert next_after(legacy, at("2024-01-08 10:00")) == at("2024-01-15 09:00")  # and the next
+
+
+@pytest.mark.parametrize(
+    ("text", "after", "expected"),
+    [
+        ("0 9 L 2 *", "2023-01-01", ["2023-02-28 09:00", "2024-02-29 09:00", "2025-02-28 09:00"]),
+        # 31 Aug 2024 is a Saturday, 30 Nov a Saturday, 30 Sep a Monday.
+        (
+            "0 9 LW 8-11 *",
+            "2024-08-01",
+            ["2024-08-30 09:00", "2024-09-30 09:00", "2024-10-31 09:00"],
+        ),
+        ("0 9 * * 5L", "2024-01-01", ["2024-01-26 09:00", "2024-02-23 09:00", "2024-03-29 09:00"]),
+        ("0 9 * * 1#2", "2024-01-01", ["2024-01-08 09:00", "2024-02-12 09:00", "2024-03-11 09:00"]),
+        ("0 9 * * 1#5", "2024-01-01", ["2024-01-29 09:00", "2024-04-29 09:00", "2024-07-29 09:00"]),
+        # ANDed: the last day of the month when it is a Friday.
+        ("0 9 L * 5", "2024-01-01", ["2024-05-31 09:00", "2025-01-31 09:00", "2025-02-28 09:00"]),
+        (
+            "5/20 9 * * 7",
+            "2024-01-01",
+            ["2024-01-07 09:05", "2024-01-07 09:25", "2024-01-07 09:45"],
+        ),
+    ],
+)
+def test_cron_string_extensions_fire_with_crons_meaning(
+    app: Celery, text: str, after: str, expected: list[str]
+) -> None:
+    spec = make_spec("c", "t", text, app=app)
+    got = enumerate_between(spec, at(after), at(expected[-1]) + S)
+    assert got == [at(moment) for moment in expected]
+    # The same text read from a stored spec (Celery's syntax where it has one) agrees.
+    parts = text.split()
+    fields = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
+    written = dict(zip(fields, parts, strict=True))
+    raw = ScheduleSpec(name="raw", task="t", kind="crontab", spec=written)
+    assert enumerate_between(raw, at(after), at(expected[-1]) + S) == got
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0 0 * * 32L", "day_of_week='32L': 32 is out of range 0-7"),
+        ("0 0 32L * *", r"day_of_month='32L': .*takes L \(last day\) or LW"),
+        ("0 0 15W * *", r"day_of_month='15W': .*takes L \(last day\) or LW"),
+        ("0 0 * * 8#1", "day_of_week='8#1': 8 is out of range 0-7"),
+        ("0 0 * * 1#6", "day_of_week='1#6': .*must be 1 to 5"),
+        ("0 0 * * mon#2x", "day_of_week='mon#2x': .*must be 1 to 5"),
+        ("0 0 * * L", "day_of_week='L': .*needs a weekday before it"),
+        ("0 0 * * LW", "day_of_week='LW': .*W goes in day_of_month only"),
+        ("L * * * *", "minute='L': .*go in the day fields only"),
+        ("0 L * * *", "hour='L': .*go in the day fields only"),
+        ("0 0 1#2 * *", "day_of_month='1#2': .*go in the day fields only"),
+        ("5/0 * * * *", "minute='5/0': step '0' must be a whole number of at least 1"),
+        ("0 0 * * funday", "day_of_week='funday': 'funday' is not a number or a weekday name"),
+        ("0 0 1-7 * 1#5", "never fires: .*day_of_month='1-7' and day_of_week='1#5'"),
+    ],
+)
+def test_invalid_cron_string_forms_are_named(app: Celery, text: str, message: str) -> None:
+    with pytest.raises(InvalidSchedule, match=message):
+        make_spec("bad", "t", text, app=app)
+
+
+def test_cron_string_with_last_day_is_a_crontab_evaluated_by_our_rules(app: Celery) -> None:
+    now = at("2024-02-10 12:00")
+    cron = cron_from_string("c", "0 9 L * *")
+    assert isinstance(cron, CronString)
+    assert make_spec("c", "t", cron, app=app).spec["day_of_month"] == "L"
+    bound = CronString("0", "9", "*", "L", "*", nowfun=lambda: now, app=app)
+    assert bound.remaining_estimate(now) == at("2024-02-29 09:00") - now  # not the 28th
+    assert pickle.loads(pickle.dumps(cron)) == cron
+    assert cron != crontab("0", "9", "*", "28-31", "*")
 
 
 @pytest.mark.parametrize(
@@ -598,6 +696,35 @@ def test_relative_interval_aligns_like_beat(
     first = first_after(spec, start.astimezone(UTC))
     assert first == beat.astimezone(UTC)
     assert next_after(spec, first) == first + every  # then steps of `every`, no re-rounding
+
+
+# Pacific/Chatham falls back at 03:45 +13:45 to 02:45 +12:45 on 7 April 2024, so 02:45-03:45
+# happens twice (13:00Z-14:00Z, then 14:00Z-15:00Z); Lord Howe falls back at 02:00 +11 to
+# 01:30 +10:30 the same day (15:00Z).
+@pytest.mark.parametrize(
+    ("zone", "every", "now", "first"),
+    [
+        # 02:46 +12:45 (second pass) + 1 h = 03:46 +12:45: the last 03:00 before it is the
+        # second pass, 03:00 +12:45 (not the first pass, 13:15Z, which is before now).
+        ("Pacific/Chatham", HOUR, "2024-04-06 14:01", "2024-04-06 14:15"),
+        # 02:50 +13:45 + 2 h = 03:50 +12:45: both passes of 03:00 come before it, the last wins.
+        ("Pacific/Chatham", 2 * HOUR, "2024-04-06 13:05", "2024-04-06 14:15"),
+        # 02:50 +13:45 + 1 h = 02:50 +12:45, whose hour (02:00 +13:45) is before now: no
+        # boundary lies in (now, now + every], so the next one counts: 03:00 +13:45.
+        ("Pacific/Chatham", HOUR, "2024-04-06 13:05", "2024-04-06 13:15"),
+        # 01:10 +11 + 1 h = 01:40 +10:30; 01:00 is before now: the next boundary, 02:00 +10:30.
+        ("Australia/Lord_Howe", HOUR, "2024-04-06 14:10", "2024-04-06 15:30"),
+    ],
+)
+def test_relative_interval_planned_around_a_repeated_hour_stays_aligned(
+    app: Celery, zone: str, every: dt.timedelta, now: str, first: str
+) -> None:
+    spec = make_spec("r", "t", every, app=app, relative=True, timezone=zone)
+    local = at(now).astimezone(zoneinfo.ZoneInfo(zone))
+    # Beat sleeps for remaining(): real time, so add it to the UTC instant.
+    assert at(now) + remaining(local, every, local, relative=True) == at(first)
+    assert first_after(spec, at(now)) == at(first)
+    assert next_after(spec, at(first)) == at(first) + every
 
 
 def test_next_after_rejects_naive_instants(app: Celery) -> None:

@@ -47,6 +47,10 @@ def _monday(local: dt.datetime) -> bool:
     return local.weekday() == 0
 
 
+def _friday(local: dt.datetime) -> bool:
+    return local.weekday() == 4
+
+
 # (Celery cron string, cronsim expression, filter on cronsim's local times)
 CASES: list[tuple[str, str, Keep]] = [
     ("*/5 * * * *", "*/5 * * * *", _any),
@@ -66,6 +70,22 @@ CASES: list[tuple[str, str, Keep]] = [
     ("*/20 8-17 * * 1-5", "*/20 8-17 * * 1-5", _any),  # business hours
     # Celery: the first Monday of each month (dom AND dow); cron would OR them.
     ("0 9 1-7 * 1", "0 9 1-7 * *", _monday),
+    # cron's forms that Celery's parser lacks
+    ("5/15 1-3 * * *", "5/15 1-3 * * *", _any),  # start/step, in the DST hours
+    ("0 5/6 * * *", "0 5/6 * * *", _any),
+    ("0 4 1/10 * *", "0 4 1/10 * *", _any),
+    ("0 22 * * 7", "0 22 * * 7", _any),  # 7 = Sunday
+    ("0 6 * * 5-7", "0 6 * * 5-7", _any),
+    ("0 7 * * 1/2", "0 7 * * 1/2", _any),  # 1-7/2: Monday, Wednesday, Friday, Sunday
+    ("30 1 L * *", "30 1 L * *", _any),  # the last day of the month
+    ("15 2 LW * *", "15 2 LW * *", _any),  # its last weekday
+    ("0 9 * * 5L", "0 9 * * 5L", _any),  # its last Friday
+    ("45 1 * * 7L", "45 1 * * 7L", _any),  # last Sunday: in London's gap and repeat
+    ("0 9 * * 1#2", "0 9 * * 1#2", _any),  # its second Monday
+    ("30 2 * * 0#2", "30 2 * * 0#2", _any),  # second Sunday: in New York's spring gap
+    ("0 12 * * 1#5", "0 12 * * 1#5", _any),  # a fifth Monday, in some months only
+    # The last day of the month when it is a Friday (AND); cron would OR them.
+    ("0 9 L * 5", "0 9 L * *", _friday),
 ]
 
 DENSE = {"*/5 * * * *", "*/20 8-17 * * 1-5"}
