@@ -162,6 +162,12 @@ class Settings:
     hostname: str = _field(
         "", "Name this dispatcher reports in task-sent events (default: celery_sched@<host>)."
     )
+    fast_publish: str = _field(
+        "auto",
+        "`auto`: publish by celery_sched's own Redis LPUSH / py-amqp basic_publish where the "
+        "transport, the kombu and amqp versions and a start-up comparison with Kombu's output "
+        "allow it (else Kombu's publish, with a warning); `off`: always Kombu's publish.",
+    )
     # Not a setting: where each value was read from (see ``origin``).
     _origins: Mapping[str, str] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -200,6 +206,10 @@ class Settings:
             raise ConfigurationError("celery_sched_ledger_retention must be >= 0")
         if self.ledger_max_result_bytes < 0:
             raise ConfigurationError("celery_sched_ledger_max_result_bytes must be >= 0")
+        if self.fast_publish not in ("auto", "off"):
+            raise ConfigurationError(
+                f"celery_sched_fast_publish must be 'auto' or 'off', got {self.fast_publish!r}"
+            )
         if not self.hostname:
             object.__setattr__(self, "hostname", f"celery_sched@{socket.gethostname()}")
 

@@ -14,12 +14,15 @@ Why this module is over 700 lines: it is one class whose three publish paths
 :class:`~celery_sched.protocol.RedisEnvelopes` on Redis) share one
 connection, one cache of declared queues and one chunk accounting of which
 jobs count as sent, and the error classification at the top decides for all
-three what is retried and what fails one destination. The message itself
+three what is retried and what fails one destination. Which path a
+connection uses is decided once per connection by
+:func:`celery_sched.dispatch.fast_path.choose`. The message itself
 (headers, body, envelope, expiry) is :mod:`celery_sched.protocol`'s.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime as dt
@@ -41,7 +44,9 @@ from kombu.exceptions import (  # type: ignore[attr-defined]  # missing from kom
     OperationalError,
 )
 
+from celery_sched.dispatch import fast_path
 from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder
+from celery_sched.dispatch.fast_path import PublishPath, Sample
 from celery_sched.errors import CelerySchedError, PublishError
 from celery_sched.interfaces import Dispatcher, PublishResult
 from celery_sched.models import Job, accepted_content_types, decode_body
@@ -211,6 +216,24 @@ class _Message:
     expiration: float | None
 
 
+def _amqp_wire(
+    encode: Callable[..., bytes], message: _Message, default_mode: Any, reply_to: str
+) -> bytes:
+    """The encoded properties the py-amqp path sends for ``message``: what
+    Kombu's publish gives py-amqp to encode (``fast_path`` checks it)."""
+    expiration = message.expiration
+    return encode(
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        headers=message.headers,
+        delivery_mode=maybe_delivery_mode(message.route.delivery_mode or default_mode),
+        priority=message.priority,
+        correlation_id=message.task_id,
+        reply_to=reply_to,
+        expiration=None if expiration is None else str(int(max(expiration, 0.0) * 1000)),
+    )
+
+
 def _record_sent(
     chunk: list[_Message], rejected: dict[uuid.UUID, str], sent: list[uuid.UUID]
 ) -> None:
@@ -266,11 +289,16 @@ class KombuDispatcher(Dispatcher):
         # once per connection (RabbitMQ).
         self._exchanges_seen: set[str] = set()
         self._batching = False
-        # On py-amqp (RabbitMQ) messages skip Kombu's publish and carry
-        # properties encoded by our own encoder (see amqp_wire); set False to
-        # publish through Kombu there too.
-        self.amqp_direct = True
         self._amqp = PropertiesEncoder()
+        # The connection's publish path, chosen once per connection by
+        # fast_path.choose (Kombu's publish until then).
+        self._path = PublishPath.KOMBU
+        #: The path chosen for the latest connection (None before the first).
+        self.publish_path: PublishPath | None = None
+        #: Messages sent so far by each path.
+        self.sent_by_path: collections.Counter[PublishPath] = collections.Counter()
+        # Reasons already logged at WARNING: one warning each, not one per reconnect.
+        self._warned: set[str] = set()
 
     # -- public API ---------------------------------------------------------
 
@@ -543,8 +571,106 @@ class KombuDispatcher(Dispatcher):
                     # A failed event must fail the batch, not sit in a buffer.
                     buffer_while_offline=False,
                 )
+            self._choose_path(self._producer)
             logger.debug("connected to broker %s", self._url)
         return self._producer
+
+    def _choose_path(self, producer: Any) -> None:
+        """Decide this connection's publish path (see :mod:`fast_path`)."""
+        encode = self._amqp.properties
+        default_mode = producer.exchange.delivery_mode
+
+        def redis_fast(sample: Sample) -> tuple[str, bytes]:
+            written: list[tuple[str, bytes]] = []
+
+            def push(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
+                written.extend(
+                    (key, payload) for key, payloads in lists.items() for payload in payloads
+                )
+                return {}
+
+            self._send_redis(producer, [self._sample_message(sample)], [], {}, _always, push)
+            if len(written) != 1:
+                raise RuntimeError(f"the Redis path wrote {len(written)} values for one message")
+            return written[0]
+
+        def amqp_fast(sample: Sample) -> bytes:
+            return _amqp_wire(encode, self._sample_message(sample), default_mode, self._reply_to)
+
+        choice = fast_path.choose(
+            producer,
+            mode=self._settings.fast_publish,
+            redis_eligible=self._batching and not self._send_sent_event,
+            samples=self._samples(),
+            reply_to=self._reply_to,
+            redis_fast=redis_fast,
+            amqp_fast=amqp_fast,
+        )
+        self._path = self.publish_path = choice.path
+        if choice.warn and choice.reason not in self._warned:
+            self._warned.add(choice.reason)
+            logger.warning(
+                "publishing to %s through Kombu's producer, not the fast path: %s",
+                self._url,
+                choice.reason,
+            )
+        elif choice.reason:
+            logger.debug("publishing to %s through Kombu's producer: %s", self._url, choice.reason)
+        else:
+            logger.debug("publishing to %s by the %s fast path", self._url, choice.path)
+
+    def _samples(self) -> list[Sample]:
+        """Messages shaped like the ones this dispatcher sends (protocol-2
+        headers with nested, non-ASCII and null values), with and without
+        priority and expiry, for comparing a fast path with Kombu."""
+        task_id = "00000000-0000-4000-8000-000000000000"
+        headers = base_headers(origin=self._settings.hostname, epoch=7)
+        headers.update(
+            task="celery_sched.probe",
+            id=task_id,
+            root_id=task_id,
+            argsrepr="(1, 'é')",
+            kwargsrepr="{'n': [1, None, 2.5]}",
+            expires="2030-01-01T00:00:00+00:00",
+            celery_sched_key="probe-ключ",
+            celery_sched_attempt=2,
+            x_custom={"nested": [True, None, "\u2603", 2**40]},
+        )
+        body = b'[[1, "\\u00e9"], {"n": [1, null, 2.5]}, {"callbacks": null}]'
+        common: dict[str, Any] = {
+            "body": body,
+            "content_type": "application/json",
+            "content_encoding": "utf-8",
+            "headers": headers,
+            "routing_key": "celery_sched.fast_path_probe",
+            "task_id": task_id,
+        }
+        return [
+            Sample(**common, delivery_mode=2, priority=None, expiration=None),
+            Sample(**common, delivery_mode=1, priority=5, expiration=12.5),
+        ]
+
+    @staticmethod
+    def _sample_message(sample: Sample) -> _Message:
+        route = Route(
+            exchange="",
+            routing_key=sample.routing_key,
+            queue=sample.routing_key,
+            delivery_mode=sample.delivery_mode,
+            priority=sample.priority,
+            declare=None,
+        )
+        return _Message(
+            uuid.UUID(sample.task_id),
+            sample.task_id,
+            sample.body,
+            sample.content_type,
+            sample.content_encoding,
+            sample.headers,
+            route,
+            sample.priority,
+            sample.expiration,
+        )
 
     def _reset(self) -> None:
         producer, connection, events = self._producer, self._connection, self._events
@@ -589,17 +715,21 @@ class KombuDispatcher(Dispatcher):
         ``False`` this returns with the rest left in ``todo``.
         """
         done = 0
+        already_sent = len(sent)
+        path = PublishPath.KOMBU
         try:
             producer = self._connect()
             if self._redis_direct(producer, todo):
+                path = PublishPath.REDIS
                 self._send_redis(producer, todo, sent, rejected, allowed)
                 return
             chunk = self._chunk if self._batching else 1
             events = self._events if self._send_sent_event else None
             publish = producer.publish
             channel = producer.channel
-            direct = self.amqp_direct and isinstance(channel, amqp.Channel)
+            direct = self._path is PublishPath.AMQP
             if direct:
+                path = PublishPath.AMQP
                 basic_publish = channel.basic_publish
                 encode = self._amqp.properties
                 default_mode = producer.exchange.delivery_mode
@@ -628,22 +758,8 @@ class KombuDispatcher(Dispatcher):
                         try:
                             if direct:
                                 # What Kombu's publish sends on py-amqp, byte
-                                # for byte (an integration test compares them).
-                                expiration = message.expiration
-                                wire = encode(
-                                    content_type=message.content_type,
-                                    content_encoding=message.content_encoding,
-                                    headers=message.headers,
-                                    delivery_mode=maybe_delivery_mode(
-                                        route.delivery_mode or default_mode
-                                    ),
-                                    priority=message.priority,
-                                    correlation_id=message.task_id,
-                                    reply_to=reply_to,
-                                    expiration=None
-                                    if expiration is None
-                                    else str(int(max(expiration, 0.0) * 1000)),
-                                )
+                                # for byte (fast_path checks it per connection).
+                                wire = _amqp_wire(encode, message, default_mode, reply_to)
                                 basic_publish(
                                     EncodedMessage(message.body, wire),
                                     exchange=route.exchange,
@@ -698,6 +814,7 @@ class KombuDispatcher(Dispatcher):
             raise
         finally:
             del todo[:done]
+            self.sent_by_path[path] += len(sent) - already_sent
 
     def _declare(
         self,
@@ -740,16 +857,14 @@ class KombuDispatcher(Dispatcher):
     def _redis_direct(self, producer: Any, todo: list[_Message]) -> bool:
         """Whether ``todo`` can skip Kombu's per-message publish machinery.
 
-        Only on the Redis transport, for messages to the default exchange
-        (the queue is the Redis list), without queue expiry, and without
-        task-sent events (those go through the event dispatcher).
+        Only where :func:`fast_path.choose` allowed it for the connection
+        (Redis, batch publishing, no task-sent events: those go through the
+        event dispatcher), for messages to the default exchange (the queue
+        is the Redis list), without queue expiry.
         """
-        if not self._batching or self._send_sent_event:
+        if self._path is not PublishPath.REDIS:
             return False
-        channel = producer.channel
-        if getattr(channel.connection.client.transport, "driver_type", None) != "redis":
-            return False
-        expiring = channel._expires
+        expiring = producer.channel._expires
         return all(m.route.exchange == "" and m.route.routing_key not in expiring for m in todo)
 
     def _send_redis(
@@ -759,6 +874,7 @@ class KombuDispatcher(Dispatcher):
         sent: list[uuid.UUID],
         rejected: dict[uuid.UUID, str],
         allowed: Callable[[], bool],
+        push: Callable[[Any, dict[str, list[bytes]]], dict[str, str]] = _push_lists,
     ) -> None:
         """Write each chunk as one pipelined ``LPUSH`` per destination list.
 
@@ -770,6 +886,7 @@ class KombuDispatcher(Dispatcher):
         Multi-value ``LPUSH`` keeps FIFO order: the worker pops from the
         right. Chunk accounting is the same as in :meth:`_send`; a list
         Redis refuses (WRONGTYPE) fails only the jobs written to it.
+        ``push`` writes the lists (the start-up comparison records them).
         """
         channel = producer.channel
         envelope = RedisEnvelopes(self._reply_to).encode
@@ -815,7 +932,7 @@ class KombuDispatcher(Dispatcher):
                             lists[key] = [payload]
                         else:
                             payloads.append(payload)
-                    refused = _push_lists(client, lists) if lists else {}
+                    refused = push(client, lists) if lists else {}
                     if refused:
                         # Rare: attribute each job of the chunk to its list.
                         for index in range(done, end):

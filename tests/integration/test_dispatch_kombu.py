@@ -29,6 +29,7 @@ from kombu.serialization import dumps
 from kombu.utils.encoding import safe_repr
 
 from celery_sched.dispatch import kombu as kombu_dispatch
+from celery_sched.dispatch.fast_path import PublishPath
 from celery_sched.dispatch.kombu import KombuDispatcher
 from celery_sched.models import Job, JobStatus
 from celery_sched.settings import Settings
@@ -398,17 +399,19 @@ def test_rabbitmq_messages_equal_what_kombu_publishes(
         ),
         make_job(RECORD_TASK, ("later",), expires_at=now + dt.timedelta(minutes=5)),
     ]
-    settings = Settings(redis_url=redis_url, hostname="celery_sched@test")
     received: dict[str, list[dict[str, Any]]] = {}
     try:
-        for direct in (True, False):
+        for mode, path in (("auto", PublishPath.AMQP), ("off", PublishPath.KOMBU)):
+            settings = Settings(
+                redis_url=redis_url, hostname="celery_sched@test", fast_publish=mode
+            )
             dispatcher = KombuDispatcher(app, settings)
-            dispatcher.amqp_direct = direct
             try:
                 result = dispatcher.publish(jobs, epoch=5, now=now)
             finally:
                 dispatcher.close()
             assert sorted(result.sent) == sorted(job.id for job in jobs)
+            assert dispatcher.sent_by_path == {path: len(jobs)}
         with app.connection_for_read() as conn:
             channel = conn.default_channel
             for name in queues.values():
@@ -654,11 +657,8 @@ def test_the_options_a_task_declares_reach_the_message(
     def expiring(*args: Any) -> None:
         """Declares an expiry."""
 
-    if path == "kombu":
-        # Task-sent events take Redis off its own path; py-amqp has a switch.
-        app.conf.task_send_sent_event = True
-    dispatcher = KombuDispatcher(app, Settings(hostname="celery_sched@test"))
-    dispatcher.amqp_direct = path == "direct"
+    mode = "auto" if path == "direct" else "off"
+    dispatcher = KombuDispatcher(app, Settings(hostname="celery_sched@test", fast_publish=mode))
     now = dt.datetime.now(dt.UTC)
     long_ago = now - dt.timedelta(minutes=10)
     declared = make_job("dispatch_app.limited", (1,))
@@ -671,6 +671,7 @@ def test_the_options_a_task_declares_reach_the_message(
     finally:
         dispatcher.close()
     assert result.sent == [job.id for job in jobs]
+    assert (dispatcher.publish_path is PublishPath.KOMBU) == (path == "kombu")
 
     got = {m.headers["id"]: m for m in take(app, queues["default"])}
     assert list(got) == [str(job.id) for job in jobs]

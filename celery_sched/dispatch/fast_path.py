@@ -1,0 +1,296 @@
+"""Whether a broker connection may publish by the dispatcher's fast paths.
+
+:class:`~celery_sched.dispatch.kombu.KombuDispatcher` has two ways around
+Kombu's per-message publish: on Redis it writes Kombu's JSON envelope itself
+and ``LPUSH``es it (:class:`~celery_sched.protocol.RedisEnvelopes`); on
+py-amqp (RabbitMQ) it encodes the message properties itself
+(:mod:`~celery_sched.dispatch.amqp_wire`) and calls ``basic_publish``. Both
+reproduce what private parts of Kombu and py-amqp write, so :func:`choose`
+allows them on a connection only when
+
+1. the setting ``celery_sched_fast_publish`` is ``auto``;
+2. the transport is Kombu's Redis transport or py-amqp;
+3. the installed ``kombu`` (and, for py-amqp, ``amqp``) is within the range
+   the fast paths were tested against (:data:`TESTED_KOMBU`,
+   :data:`TESTED_AMQP`);
+4. sample messages produced by the fast path are what Kombu's own publish
+   produces on that very channel: the Redis list and the decoded envelope
+   (delivery tag aside: a fresh unique string each), or the AMQP properties
+   byte for byte.
+
+Otherwise that connection publishes through ``Producer.publish``, with one
+WARNING saying why when 3 or 4 failed. This runs once per connection; the
+samples never reach the broker (Kombu's side is captured at the Redis client
+or at ``basic_publish``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import enum
+import importlib.metadata
+import json
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import amqp
+
+#: Installed versions the fast paths were checked against: ``(lowest,
+#: first untested)``, compared on the release numbers. A version outside
+#: (or a pre-release) publishes through Kombu. Widen after running
+#: tests/unit/test_redis_envelope.py, tests/unit/test_amqp_wire.py and
+#: tests/integration/test_fast_publish.py on the new version.
+TESTED_KOMBU: tuple[tuple[int, ...], tuple[int, ...]] = ((5, 7, 0), (5, 8))
+TESTED_AMQP: tuple[tuple[int, ...], tuple[int, ...]] = ((5, 4, 2), (5, 5))
+
+#: Values of ``celery_sched_fast_publish``.
+AUTO = "auto"
+OFF = "off"
+MODES = (AUTO, OFF)
+
+_RELEASE = re.compile(r"(\d+(?:\.\d+)*)(?:\.post\d+)?")
+
+
+class PublishPath(enum.StrEnum):
+    """How a connection's messages are published."""
+
+    KOMBU = "kombu"  #: ``Producer.publish``
+    REDIS = "redis"  #: pipelined ``LPUSH`` of our own envelopes
+    AMQP = "amqp"  #: py-amqp ``basic_publish`` with our own properties
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Choice:
+    """A connection's publish path; ``reason`` says why not a fast one, and
+    ``warn`` whether that reason deserves a WARNING (an untested version or
+    a mismatch, not a setting or a transport without a fast path)."""
+
+    path: PublishPath
+    reason: str = ""
+    warn: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Sample:
+    """One message as the dispatcher would publish it, in the terms of
+    ``Producer.publish`` (to the default exchange)."""
+
+    body: bytes
+    content_type: str
+    content_encoding: str
+    headers: dict[str, Any]
+    routing_key: str
+    delivery_mode: int
+    priority: int | None
+    task_id: str
+    expiration: float | None
+
+
+def release(version: str) -> tuple[int, ...] | None:
+    """The release numbers of a final (or post) release; None for anything
+    else (a pre-release, a development or local version)."""
+    match = _RELEASE.fullmatch(version)
+    if match is None:
+        return None
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def untested_version(distribution: str, tested: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
+    """Why the installed ``distribution`` is outside ``tested``, or ``""``."""
+    low, high = tested
+    try:
+        installed = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{distribution} is not installed as a distribution"
+    numbers = release(installed)
+    if numbers is None or not low <= numbers < high:
+        return (
+            f"{distribution} {installed} is outside the tested range "
+            f">={_dotted(low)},<{_dotted(high)}"
+        )
+    return ""
+
+
+def _dotted(numbers: tuple[int, ...]) -> str:
+    return ".".join(map(str, numbers))
+
+
+def choose(
+    producer: Any,
+    *,
+    mode: str,
+    redis_eligible: bool,
+    samples: Sequence[Sample],
+    reply_to: str,
+    redis_fast: Callable[[Sample], tuple[str, bytes]],
+    amqp_fast: Callable[[Sample], bytes],
+) -> Choice:
+    """The publish path of ``producer``'s connection.
+
+    ``redis_eligible`` is False when the dispatcher could not use the Redis
+    path anyway (task-sent events, no batch publishing). ``redis_fast`` and
+    ``amqp_fast`` produce, without I/O, what the fast path would write for a
+    sample: the Redis list and envelope, or the encoded AMQP properties.
+    """
+    if mode == OFF:
+        return Choice(path=PublishPath.KOMBU, reason="celery_sched_fast_publish is off")
+    channel = producer.channel
+    if isinstance(channel, amqp.Channel):
+        path = PublishPath.AMQP
+        untested = untested_version("kombu", TESTED_KOMBU) or untested_version("amqp", TESTED_AMQP)
+    elif getattr(channel.connection.client.transport, "driver_type", None) == "redis":
+        if not redis_eligible:
+            return Choice(path=PublishPath.KOMBU, reason="task-sent events or no batch publishing")
+        path = PublishPath.REDIS
+        untested = untested_version("kombu", TESTED_KOMBU)
+    else:
+        return Choice(path=PublishPath.KOMBU, reason="no fast path for this transport")
+    if untested:
+        return Choice(path=PublishPath.KOMBU, reason=untested, warn=True)
+    try:
+        for sample in samples:
+            if path is PublishPath.REDIS:
+                mismatch = _compare_redis(
+                    redis_fast(sample), _kombu_redis_write(producer, sample, reply_to)
+                )
+            else:
+                mismatch = _compare_amqp(
+                    amqp_fast(sample), _kombu_amqp_properties(producer, sample, reply_to)
+                )
+            if mismatch:
+                return Choice(
+                    path=PublishPath.KOMBU,
+                    reason=f"a sample message differs from Kombu's: {mismatch}",
+                    warn=True,
+                )
+    except Exception as exc:
+        return Choice(
+            path=PublishPath.KOMBU,
+            reason=f"comparing a sample message with Kombu's failed: {exc!r}",
+            warn=True,
+        )
+    return Choice(path=path)
+
+
+def _publish_kwargs(sample: Sample, reply_to: str) -> dict[str, Any]:
+    """What the dispatcher's Kombu path passes ``Producer.publish``."""
+    kwargs: dict[str, Any] = {
+        "exchange": "",
+        "routing_key": sample.routing_key,
+        "content_type": sample.content_type,
+        "content_encoding": sample.content_encoding,
+        # Kombu may keep or change what it is given; the sample stays ours.
+        "headers": copy.deepcopy(sample.headers),
+        "delivery_mode": sample.delivery_mode,
+        "priority": sample.priority,
+        "correlation_id": sample.task_id,
+        "reply_to": reply_to,
+    }
+    if sample.expiration is not None:
+        kwargs["expiration"] = max(sample.expiration, 0.0)
+    return kwargs
+
+
+class _RecordingRedis:
+    """Stands in for the Redis client: keeps what Kombu would ``LPUSH``."""
+
+    def __init__(self) -> None:
+        self.pushed: list[tuple[str, bytes]] = []
+
+    def lpush(self, key: str, *values: Any) -> int:
+        for value in values:
+            self.pushed.append((key, value.encode() if isinstance(value, str) else value))
+        return len(self.pushed)
+
+
+def _kombu_redis_write(producer: Any, sample: Sample, reply_to: str) -> tuple[str, bytes]:
+    """The list and envelope Kombu's Redis channel writes for ``sample``.
+
+    Kombu's whole publish runs (``prepare_message``, ``basic_publish``,
+    ``_put`` with its priority and serialization); only the client it
+    writes through is a recorder, so nothing reaches Redis.
+    """
+    channel = producer.channel
+    recorder = _RecordingRedis()
+
+    @contextlib.contextmanager
+    def conn_or_acquire(client: Any = None) -> Iterator[Any]:
+        yield recorder
+
+    channel.conn_or_acquire = conn_or_acquire
+    try:
+        producer.publish(sample.body, **_publish_kwargs(sample, reply_to))
+    finally:
+        del channel.conn_or_acquire
+    if len(recorder.pushed) != 1:
+        raise RuntimeError(f"Kombu wrote {len(recorder.pushed)} values for one message")
+    return recorder.pushed[0]
+
+
+def _kombu_amqp_properties(producer: Any, sample: Sample, reply_to: str) -> bytes:
+    """py-amqp's own encoding of the properties Kombu's publish gives ``sample``."""
+    channel = producer.channel
+    captured: list[Any] = []
+
+    def basic_publish(message: Any, *args: Any, **kwargs: Any) -> None:
+        captured.append((message, args, kwargs))
+
+    # py-amqp sets ``basic_publish`` on the instance in confirm mode.
+    own = channel.__dict__.get("basic_publish")
+    channel.basic_publish = basic_publish
+    try:
+        producer.publish(sample.body, **_publish_kwargs(sample, reply_to))
+    finally:
+        if own is None:
+            del channel.basic_publish
+        else:
+            channel.basic_publish = own
+    if len(captured) != 1:
+        raise RuntimeError(f"Kombu published {len(captured)} messages for one")
+    message, _, _ = captured[0]
+    properties: bytes = message._serialize_properties()
+    return properties
+
+
+def _compare_redis(ours: tuple[str, bytes], theirs: tuple[str, bytes]) -> str:
+    if ours[0] != theirs[0]:
+        return f"list {ours[0]!r} instead of {theirs[0]!r}"
+    mine, kombus = json.loads(ours[1]), json.loads(theirs[1])
+    # A fresh unique string per message on either side.
+    tags = [envelope.get("properties", {}).pop("delivery_tag", None) for envelope in (mine, kombus)]
+    if not all(isinstance(tag, str) for tag in tags):
+        return f"delivery tags {tags[0]!r} and {tags[1]!r}"
+    return _first_difference(mine, kombus, "envelope")
+
+
+def _first_difference(mine: Any, kombus: Any, where: str) -> str:
+    """Where two decoded envelopes first differ, e.g. ``envelope.headers.lang:
+    'px' instead of 'py'`` (no delivery tag, so the same on every connection)."""
+    if isinstance(mine, dict) and isinstance(kombus, dict):
+        for key in sorted(mine.keys() | kombus.keys()):
+            if key not in mine or key not in kombus:
+                side = "only ours" if key in mine else "only Kombu's"
+                return f"{where}.{key} is in {side}"
+            found = _first_difference(mine[key], kombus[key], f"{where}.{key}")
+            if found:
+                return found
+        return ""
+    if mine != kombus or type(mine) is not type(kombus):
+        return f"{where}: {mine!r} instead of {kombus!r}"
+    return ""
+
+
+def _compare_amqp(ours: bytes, theirs: bytes) -> str:
+    if ours == theirs:
+        return ""
+    at = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+        min(len(ours), len(theirs)),
+    )
+    return (
+        f"encoded properties differ from byte {at} (of {len(ours)}, py-amqp {len(theirs)}): "
+        f"{ours[at : at + 16]!r} instead of {theirs[at : at + 16]!r}"
+    )
