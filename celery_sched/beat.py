@@ -77,8 +77,8 @@ class Scheduler(beat.Scheduler):
         from celery_sched.backends import build_leader, build_store
 
         settings = self.settings
-        # Before connecting anywhere: an invalid entry stops beat at once,
-        # naming the entry, as stock beat does.
+        # Before connecting anywhere. An entry that cannot be handled is
+        # logged at ERROR with its name and left out; the others run.
         static = self._static_specs()
         store = build_store(settings)
         # Idempotent and serialized by an advisory lock, so every beat of a
@@ -108,7 +108,7 @@ class Scheduler(beat.Scheduler):
 
         from celery_sched import schedules
 
-        specs = schedules.specs_from_app(self.app)
+        specs = schedules.specs_from_app(self.app, skip_invalid=True)
         cleanup = "celery.backend_cleanup"
         if (
             self.app.conf.result_expires

@@ -7,10 +7,12 @@ occurrences of its shard's schedules up to the planning horizon, with a time
 budget per pass so dispatching is never held up for long. Occurrences its
 stager has already passed are staged at once.
 
-Failures: static schedules that fail validation are logged at ERROR and not
-retried until the next election (they were checked when beat started;
-retrying cannot help). Anything else the planner raises propagates: the loop
-logs and counts a failed ``plan`` and tries again after its backoff.
+Failures: a static schedule that fails validation is logged at ERROR with
+its name and left out of the sync (so its stored row, if any, is disabled as
+if removed from the code) and not retried until the next election (they were
+checked when beat started; retrying cannot help); the others are synced.
+Anything else the planner raises propagates: the loop logs and counts a
+failed ``plan`` and tries again after its backoff.
 
 The planner
 -----------
@@ -42,6 +44,18 @@ evaluates, an ``expires`` past the latest date, a corrupt spec, a kind this
 code does not know) fails alone: it is marked broken with the reason, the
 rest of the pass goes on, and later passes leave it out until a user changes
 or resumes it. Otherwise one row would fail every pass of every leader.
+
+Custom schedules (any object beat drives through ``is_due``,
+:mod:`celery_sched.schedules.custom`) exist only in the code: their row
+records the class and repr, and the planner evaluates the object of the
+static spec of the same name and definition. A custom row this beat has no
+such object for (a beat still running older code during a deploy) is left
+alone, not marked broken: it is logged at ERROR once and planned by the
+first leader whose code has it, without anyone having to resume it. An
+object that raises or is never due is set aside as broken like any other.
+A new custom row's first instant is computed when it is first planned, as
+beat computes it from its start (``last_run_at`` = now): no cursor can be
+derived from a stored instant of an arbitrary object.
 """
 
 from __future__ import annotations
@@ -91,7 +105,9 @@ class PassResult:
     ``written`` holds ``(id, due_at, shard)`` of every occurrence inserted,
     for the engine to stage those its stager has already passed. ``more``
     is true when the pass stopped at its time budget with schedules left.
-    ``broken`` counts the schedules this pass marked broken.
+    ``broken`` counts the schedules this pass marked broken; ``absent`` the
+    custom schedules left alone because this beat's code has no object for
+    them.
     """
 
     schedules: int = 0
@@ -100,6 +116,7 @@ class PassResult:
     busy: int = 0
     stale: int = 0
     broken: int = 0
+    absent: int = 0
     more: bool = False
 
 
@@ -114,6 +131,7 @@ class PlannerStats:
     busy: int = 0
     stale: int = 0
     broken: int = 0
+    absent: int = 0
     syncs: int = 0
 
 
@@ -122,7 +140,8 @@ class Planner:
 
     ``static`` are the schedules the code defines (``beat_schedule`` and
     decorated tasks, :func:`celery_sched.schedules.specs_from_app`);
-    :meth:`sync_static` writes them. ``app`` serializes their arguments and
+    :meth:`sync_static` writes them, and custom schedules among them are
+    evaluated from their objects. ``app`` serializes their arguments and
     decides job shards; ``clock`` (monotonic seconds) bounds a pass.
     """
 
@@ -139,6 +158,8 @@ class Planner:
         self.settings = settings
         self.app = app
         self.static = list(static)
+        self._custom = {spec.name: spec for spec in self.static if spec.kind == "custom"}
+        self._absent_logged: set[str] = set()
         self.stats = PlannerStats()
         self._clock = clock
         self._builder: JobBuilder | None = None
@@ -161,7 +182,19 @@ class Planner:
         a static one has their name (logged as a conflict).
         """
         now = self.store.now()
-        rows = [schedule_row(spec, self.builder, now=now) for spec in self.static]
+        rows = []
+        for spec in self.static:
+            try:
+                rows.append(schedule_row(spec, self.builder, now=now))
+            except CelerySchedError as exc:
+                # One schedule (a custom object that fails when asked, say)
+                # must not keep the others out of the store.
+                logger.error(
+                    "static schedule %r not synced (disabled if stored) until the next "
+                    "election: %s",
+                    spec.name,
+                    exc,
+                )
         result = self.store.sync_static_schedules(rows)
         self.stats.syncs += 1
         if result.conflicts:
@@ -194,7 +227,7 @@ class Planner:
         # made fails the pass, it must not mark every schedule broken.
         _ = self.builder
         after: tuple[dt.datetime, int] | None = None
-        totals = {"schedules": 0, "skipped": 0, "busy": 0, "stale": 0, "broken": 0}
+        totals = {"schedules": 0, "skipped": 0, "busy": 0, "stale": 0, "broken": 0, "absent": 0}
         written: list[tuple[Any, dt.datetime, int]] = []
         more = False
         while True:
@@ -212,6 +245,10 @@ class Planner:
             for row in rows:
                 try:
                     advance, skipped = self._advance(row, now, horizon, busy=row.id in busy)
+                except _NoObject as exc:
+                    totals["absent"] += 1
+                    self._log_absent(row, exc)
+                    continue
                 except Exception as exc:  # any error of one row stays that row's
                     totals["broken"] += self._set_aside(row, exc)
                     continue
@@ -246,6 +283,31 @@ class Planner:
         )
         return int(self.store.mark_schedule_broken(row.id, version=row.version, reason=reason))
 
+    def _log_absent(self, row: StoredSchedule, exc: _NoObject) -> None:
+        if row.name in self._absent_logged:
+            return
+        self._absent_logged.add(row.name)
+        logger.error(
+            "custom schedule %r is left for a beat whose code has it: %s", row.name, exc.reason
+        )
+
+    def _spec(self, row: StoredSchedule) -> ScheduleSpec:
+        """The spec to plan ``row`` by: the stored one, or for a custom
+        schedule the code's, whose definition carries the object."""
+        spec = spec_of(row)
+        if spec.kind != "custom":
+            return spec
+        static = self._custom.get(row.name)
+        if row.source != "static":
+            raise _NoObject(f"it is not a static schedule (source {row.source!r})")
+        if static is None:
+            raise _NoObject("no beat_schedule entry or decorated task of this beat has that name")
+        if dict(static.spec) != dict(row.spec):
+            raise _NoObject(
+                f"this beat's code has {dict(static.spec)}, the stored row {dict(row.spec)}"
+            )
+        return dataclasses.replace(spec, spec=static.spec)
+
     def _advance(
         self, row: StoredSchedule, now: dt.datetime, horizon: dt.datetime, *, busy: bool
     ) -> tuple[ScheduleAdvance | None, int]:
@@ -253,9 +315,9 @@ class Planner:
         occurrences it skipped."""
         assert row.next_nominal_at is not None
         s = self.settings
-        spec = spec_of(row)
+        spec = self._spec(row)
         cursor = row.last_nominal_at
-        if cursor is None:
+        if cursor is None and spec.kind != "custom":
             cursor = cursor_before(spec, row.next_nominal_at)
         one_at_a_time = spec.overlap is OverlapPolicy.SKIP
         if one_at_a_time and busy:
@@ -298,7 +360,7 @@ class Planner:
     def _plan(
         self,
         spec: ScheduleSpec,
-        cursor: dt.datetime,
+        cursor: dt.datetime | None,
         now: dt.datetime,
         horizon: dt.datetime,
         default_misfire: MisfirePolicy,
@@ -337,6 +399,15 @@ class Planner:
         stats.busy += result.busy
         stats.stale += result.stale
         stats.broken += result.broken
+        stats.absent += result.absent
+
+
+class _NoObject(CelerySchedError):
+    """This planner has no object to evaluate the custom schedule's row by."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 #: Longest one planning pass may run before the loop dispatches again, in seconds.

@@ -34,7 +34,7 @@ class OverlapPolicy(enum.StrEnum):
 
 #: Mirrors ``celery_sched.store.schema.SCHEDULE_KINDS`` (the table's CHECK
 #: constraint); models must not import the store, a unit test keeps them equal.
-SCHEDULE_KINDS = frozenset({"crontab", "interval", "solar", "clocked"})
+SCHEDULE_KINDS = frozenset({"crontab", "interval", "solar", "clocked", "custom"})
 SCHEDULE_SOURCES = frozenset({"static", "dynamic"})
 
 

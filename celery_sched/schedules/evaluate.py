@@ -13,6 +13,7 @@ from celery_sched.models import ScheduleSpec
 from celery_sched.schedules.clocked_time import CompiledClocked, parse_utc
 from celery_sched.schedules.compiled import Compiled
 from celery_sched.schedules.cron import CRON_FIELDS, CompiledCron
+from celery_sched.schedules.custom import CustomDefinition
 from celery_sched.schedules.interval import INTERVALS, CompiledInterval
 from celery_sched.schedules.solar import CompiledSolar
 from celery_sched.timeutil import UTC, ensure_utc, get_zone
@@ -39,8 +40,10 @@ def next_after(spec: ScheduleSpec, after: dt.datetime) -> dt.datetime | None:
     so nothing drifts). Crontab: the first matching wall-clock minute in the
     schedule's timezone whose instant is after ``after``, with the DST rules
     of :mod:`~celery_sched.schedules.wallclock`. Solar: the next event.
-    Clocked: ``at`` if it is after ``after``. Raises InvalidSchedule if the
-    definition does not evaluate.
+    Clocked: ``at`` if it is after ``after``. Custom: the first instant after
+    ``after`` at which the object, asked as beat asks it with ``last_run_at =
+    after``, is due (:class:`~celery_sched.schedules.custom.CompiledCustom`).
+    Raises InvalidSchedule if the definition does not evaluate.
     """
     if spec.kind == "interval":
         # The planner's hot path: one dict lookup and one addition.
@@ -66,8 +69,14 @@ def utc_argument(value: dt.datetime, name: str) -> dt.datetime:
 
 def compile_spec(spec: ScheduleSpec) -> Compiled:
     """The evaluator of ``spec`` (cached by definition); InvalidSchedule if
-    the definition does not evaluate."""
+    the definition does not evaluate.
+
+    A custom schedule evaluates only from the spec the code built (its
+    definition carries the object); one read back from the store does not.
+    """
     definition = spec.spec
+    if spec.kind == "custom":
+        return _compile_custom(spec)
     try:
         if spec.kind == "interval":
             key: tuple[Any, ...] = (definition["seconds"],)
@@ -94,6 +103,18 @@ def compile_spec(spec: ScheduleSpec) -> Compiled:
         raise InvalidSchedule(f"schedule {spec.name!r}: {exc}") from exc
     except TypeError as exc:  # an unhashable value in the definition
         raise InvalidSchedule(f"schedule {spec.name!r}: invalid {spec.kind} spec: {exc}") from exc
+
+
+def _compile_custom(spec: ScheduleSpec) -> Compiled:
+    definition = spec.spec
+    if not isinstance(definition, CustomDefinition):
+        shown = definition.get("repr") or definition.get("class") or dict(definition)
+        raise InvalidSchedule(
+            f"schedule {spec.name!r}: custom schedule {shown} is evaluated from the object "
+            "in the code (a beat_schedule entry or a decorated task), and this process has "
+            "no such object of that name"
+        )
+    return definition.compiled(spec.name, get_zone(spec.timezone), spec.timezone)
 
 
 @functools.lru_cache(maxsize=16384)

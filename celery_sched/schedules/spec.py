@@ -4,7 +4,10 @@
 (:class:`celery.schedules.crontab`, :class:`~celery.schedules.schedule`,
 ``timedelta``, seconds, :class:`~celery.schedules.solar`), a cron string and
 :class:`~celery_sched.schedules.clocked` one-offs, and checks everything
-before anything could be written. :func:`specs_from_app` reads
+before anything could be written. Any other object beat could drive (an
+``is_due`` method, e.g. a :class:`celery.schedules.BaseSchedule` subclass)
+is a *custom* schedule, accepted in the code's schedules only
+(:mod:`~celery_sched.schedules.custom`). :func:`specs_from_app` reads
 ``beat_schedule`` (including ``add_periodic_task`` entries) and
 decorator-declared tasks. :class:`SpecBuilder` does the work for all of
 them, once per app.
@@ -13,16 +16,23 @@ them, once per app.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+import functools
+import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery.schedules import crontab, schedule, solar
 
-from celery_sched.errors import InvalidJob, InvalidSchedule, UnknownTimezone
+from celery_sched.errors import CelerySchedError, InvalidJob, InvalidSchedule, UnknownTimezone
 from celery_sched.models import MisfirePolicy, OverlapPolicy, ScheduleSpec
 from celery_sched.schedules.clocked_time import clocked, format_utc, parse_utc
-from celery_sched.schedules.cron import CRON_FIELDS, cron_from_string, cron_text
-from celery_sched.schedules.evaluate import compile_spec
+from celery_sched.schedules.cron import CRON_FIELDS, cron_from_string, cron_text, read_crontab
+from celery_sched.schedules.custom import (
+    DEFAULT_MAX_INTERVAL,
+    CustomDefinition,
+    is_custom_schedule,
+)
+from celery_sched.schedules.evaluate import compile_spec, first_after
 from celery_sched.schedules.interval import interval_definition
 from celery_sched.schedules.rows import MAX_NAME_LENGTH, occurrence_key
 from celery_sched.settings import Settings
@@ -31,6 +41,8 @@ from celery_sched.validation import JobBuilder, check_text
 
 if TYPE_CHECKING:
     from celery import Celery
+
+logger = logging.getLogger(__name__)
 
 #: Keys a ``beat_schedule`` entry may have: beat's own, then celery_sched's.
 ENTRY_KEYS = frozenset(
@@ -63,7 +75,10 @@ def make_spec(
     :class:`celery.schedules.schedule`, a ``timedelta``, a number of seconds,
     a :class:`celery.schedules.solar`, a :class:`clocked`, or a five-field
     cron string (``"*/5 * * * *"``: minute hour day-of-month month
-    day-of-week, or a macro such as ``"@daily"``).
+    day-of-week, or a macro such as ``"@daily"``). With ``source="static"``
+    it may also be any other object beat could drive (a custom schedule
+    class: :mod:`~celery_sched.schedules.custom`); its spec carries the
+    object, and is asked once here for its next instant.
 
     The timezone is, in order: ``timezone``; the crontab's own (a crontab
     whose ``tz`` was set, like django-celery-beat's); the app's
@@ -75,7 +90,8 @@ def make_spec(
     Raises :class:`~celery_sched.errors.InvalidSchedule` naming the problem
     (invalid crontab field, non-positive interval, unknown policy, unknown or
     invalid option, arguments the task serializer cannot encode, unsupported
-    schedule type), :class:`~celery_sched.errors.UnknownTimezone`, or, for a
+    schedule type, a custom schedule object outside the code's schedules or
+    one that fails when asked), :class:`~celery_sched.errors.UnknownTimezone`, or, for a
     naive clocked time, :class:`~celery_sched.errors.AmbiguousTime` /
     :class:`~celery_sched.errors.NonExistentTime`. Nothing is written here;
     a returned spec is one the planner can evaluate.
@@ -110,7 +126,7 @@ def spec_from_entry(name: str, entry: Mapping[str, Any], *, app: Celery) -> Sche
     return SpecBuilder(app).from_entry(name, entry)
 
 
-def specs_from_app(app: Celery) -> list[ScheduleSpec]:
+def specs_from_app(app: Celery, *, skip_invalid: bool = False) -> list[ScheduleSpec]:
     """Every static periodic schedule of ``app``: ``beat_schedule`` entries
     in their order, then decorator-declared tasks sorted by task name.
 
@@ -126,9 +142,13 @@ def specs_from_app(app: Celery) -> list[ScheduleSpec]:
     ``misfire``, ``overlap``, ``catchup_window``, ``max_catchup``,
     ``schedule_relative``) fill the spec. Every spec's source is ``"static"``.
 
-    Raises :class:`~celery_sched.errors.InvalidSchedule` for the first
-    invalid entry (naming it) and when two schedules share a name; then no
-    spec is returned at all.
+    Raises :class:`~celery_sched.errors.InvalidSchedule` (or
+    :class:`~celery_sched.errors.UnknownTimezone`, ...) for the first invalid
+    entry (naming it) and when two schedules share a name; then no spec is
+    returned at all. With ``skip_invalid`` (beat at start) such an entry is
+    logged at ERROR with its name and the reason and left out, and the
+    others are returned: one schedule that cannot be handled must not stop
+    the rest.
     """
     app.loader.import_default_modules()
     app.finalize()
@@ -136,36 +156,50 @@ def specs_from_app(app: Celery) -> list[ScheduleSpec]:
     specs: list[ScheduleSpec] = []
     origin: dict[str, str] = {}
 
-    def add(spec: ScheduleSpec, where: str) -> None:
-        if spec.name in origin:
-            raise InvalidSchedule(
-                f"two periodic schedules are named {spec.name!r}: {origin[spec.name]} and "
-                f"{where}; give one of them another name"
-            )
+    def add(build: Callable[[], ScheduleSpec], where: str) -> None:
+        try:
+            spec = build()
+            if spec.name in origin:
+                raise InvalidSchedule(
+                    f"two periodic schedules are named {spec.name!r}: {origin[spec.name]} and "
+                    f"{where}; give one of them another name"
+                )
+        except CelerySchedError as exc:
+            if not skip_invalid:
+                raise
+            logger.error("periodic schedule of %s left out: %s", where, exc)
+            return
         origin[spec.name] = where
         specs.append(spec)
 
     for name, entry in (app.conf.beat_schedule or {}).items():
-        add(builder.from_entry(name, entry), f"beat_schedule entry {name!r}")
+        add(functools.partial(builder.from_entry, name, entry), f"beat_schedule entry {name!r}")
     tasks = app.tasks
     for task_name in sorted(tasks):
         task = tasks[task_name]
         if getattr(task, "periodic_schedule", None) is not None:
-            add(builder.from_task(task_name, task), f"task {task_name!r} (decorator)")
+            add(
+                functools.partial(builder.from_task, task_name, task),
+                f"task {task_name!r} (decorator)",
+            )
     return specs
 
 
 def schedule_from_spec(spec: ScheduleSpec, *, app: Celery) -> object:
     """The Celery schedule object a spec stands for (for display and for
     round trips): a ``crontab`` (whose ``tz`` is the spec's timezone), a
-    ``schedule`` (with the spec's ``relative``), a ``solar`` or a
-    :class:`clocked` with an aware UTC time. Raises InvalidSchedule for a
-    definition that does not evaluate."""
+    ``schedule`` (with the spec's ``relative``), a ``solar``, a
+    :class:`clocked` with an aware UTC time, or a custom schedule's own
+    object. Raises InvalidSchedule for a definition that does not evaluate
+    (a custom schedule read back from the store among them)."""
     compile_spec(spec)
     definition = spec.spec
+    if isinstance(definition, CustomDefinition):
+        return definition.schedule
     if spec.kind == "crontab":
         # celery-types lacks most crontab attributes; `Any` from here on.
-        cron: Any = crontab(**{field: str(definition[field]) for field in CRON_FIELDS}, app=app)
+        fields = {field: str(definition[field]) for field in CRON_FIELDS}
+        cron: Any = read_crontab(f"schedule {spec.name!r}", fields).as_crontab(app=app)
         cron.tz = get_zone(spec.timezone)
         return cron
     if spec.kind == "interval":
@@ -202,6 +236,9 @@ class SpecBuilder:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.app_zone = _app_zone(app)
+        # What beat waits for a custom schedule's check when is_due gives no
+        # number of seconds (`celery beat --max-interval` is not seen here).
+        self.max_interval = float(app.conf.beat_max_loop_interval or DEFAULT_MAX_INTERVAL)
         self._jobs: JobBuilder | None = None
 
     def build(
@@ -230,8 +267,21 @@ class SpecBuilder:
             raise InvalidSchedule(f"{what}: relative must be a bool, got {relative!r}")
         zone_name = None if timezone is None else _zone_name(timezone)
         kind, definition, zone_name, relative = _definition(
-            what, schedule, default_zone=self.app_zone, zone_name=zone_name, relative=relative
+            what,
+            schedule,
+            default_zone=self.app_zone,
+            zone_name=zone_name,
+            relative=relative,
+            max_interval=self.max_interval,
         )
+        if kind == "custom" and source != "static":
+            raise InvalidSchedule(
+                f"{what}: a custom schedule class ({definition['class']}) works only in "
+                "app.conf.beat_schedule or the task decorator: the planner asks the object "
+                "in the code, and a schedule added through the API has only its stored row; "
+                "use a crontab, a schedule, a timedelta or number of seconds, a solar, a "
+                "celery_sched.schedules.clocked or a cron string here"
+            )
         if args is None:
             args = ()
         if not isinstance(args, (list, tuple)):
@@ -264,6 +314,10 @@ class SpecBuilder:
             source=source,
         )
         compile_spec(spec)  # the definition evaluates, or InvalidSchedule
+        if kind == "custom":
+            # Asked once now, so an object that raises or is never due is
+            # refused with the entry's name before anything is written.
+            first_after(spec, dt.datetime.now(dt.UTC))
         return spec
 
     def from_fields(
@@ -367,7 +421,13 @@ class SpecBuilder:
 
 
 def _definition(
-    what: str, value: object, *, default_zone: str, zone_name: str | None, relative: bool
+    what: str,
+    value: object,
+    *,
+    default_zone: str,
+    zone_name: str | None,
+    relative: bool,
+    max_interval: float,
 ) -> tuple[str, dict[str, Any], str, bool]:
     """(kind, JSON spec, timezone name, relative) of a user's schedule value."""
     if isinstance(value, str):
@@ -385,7 +445,7 @@ def _definition(
             "month_of_year": cron_text(cron._orig_month_of_year, cron.month_of_year, 1, 12),
         }
         return "crontab", fields, zone_name or default_zone, False
-    if isinstance(value, schedule):
+    if isinstance(value, schedule) and not _overrides_is_due(value):
         return (
             "interval",
             interval_definition(what, getattr(value, "run_every", None)),
@@ -403,10 +463,24 @@ def _definition(
         zone_name = zone_name or default_zone
         at = value.at_utc(get_zone(zone_name))  # AmbiguousTime / NonExistentTime
         return "clocked", {"at": format_utc(at)}, zone_name, False
+    if is_custom_schedule(value):
+        custom = CustomDefinition(value, max_interval=max_interval)
+        return "custom", custom, zone_name or default_zone, False
     raise InvalidSchedule(
         f"{what}: unsupported schedule type {type(value).__name__}; use a crontab, a schedule, "
         "a timedelta or number of seconds, a solar, a celery_sched.schedules.clocked, "
-        "or a cron string"
+        "a cron string, or (in beat_schedule and the decorator) an object with an "
+        "is_due(last_run_at) method such as a celery.schedules.BaseSchedule subclass"
+    )
+
+
+def _overrides_is_due(value: schedule) -> bool:
+    """Whether a subclass of Celery's interval ``schedule`` decides by itself
+    when it is due: then it is a custom schedule, not an interval."""
+    cls: Any = type(value)
+    return bool(
+        cls.is_due is not schedule.is_due
+        or cls.remaining_estimate is not schedule.remaining_estimate
     )
 
 

@@ -49,7 +49,7 @@ JOBS_STORAGE = {
     "autovacuum_vacuum_insert_scale_factor": "0.05",
 }
 
-SCHEDULE_KINDS = ("crontab", "interval", "solar", "clocked")
+SCHEDULE_KINDS = ("crontab", "interval", "solar", "clocked", "custom")
 
 
 def _ts(name: str, *, nullable: bool = True, now_default: bool = False) -> Column[object]:

@@ -190,7 +190,9 @@ def test_migrate_twice_and_concurrently(settings: Settings) -> None:
             versions = conn.execute(
                 f'SELECT version_num FROM "{settings.db_schema}".alembic_version'
             ).fetchall()
-        assert versions == [("0004",)]
+        # The newest migration in the package, applied once.
+        head = max(path.name[:4] for path in (MIGRATIONS_DIR / "versions").glob("0*.py"))
+        assert versions == [(head,)]
         stores[1].add_job(new_job("works", stores[1].now()))
         assert stores[2].get("works") is not None
     finally:

@@ -240,6 +240,14 @@ def test_update_restarts_from_now_without_firing_at_once(rig: Rig) -> None:
     assert info.last_run_at == START + 20 * S and info.last_status == JobStatus.SUCCEEDED
 
 
+def test_a_cron_string_with_cron_only_forms_survives_an_update(rig: Rig) -> None:
+    # The stored `L` is read back with cron's grammar (Celery's parser refuses it).
+    rig.client.schedules.add("last", "t.tick", "0 9 L * *")
+    info = rig.client.schedules.update("last", args=(2,))
+    assert info.spec["day_of_month"] == "L" and info.args == (2,)
+    assert info.next_run_at is not None and info.next_run_at.day in (28, 29, 30, 31)
+
+
 def test_update_of_arguments_keeps_the_timing(rig: Rig) -> None:
     rig.client.schedules.add("args", "t.tick", 10, args=(1,), queue="q1")
     rig.plan()
