@@ -17,10 +17,13 @@ One module per concern:
 - :mod:`~celery_sched.schedules.cron`: **crontab**, evaluated on the wall
   clock of the schedule's timezone. ``day_of_week`` and ``day_of_month`` are
   ANDed, as Celery's crontab does (classic cron ORs them).
-- :mod:`~celery_sched.schedules.wallclock`: **DST**. A local time that does
-  not exist (clocks spring forward) fires once, at the first valid instant
-  after the gap; a repeated local time (clocks fall back) fires once, at its
-  first instant.
+- :mod:`~celery_sched.schedules.wallclock`: **DST**, by Vixie/Debian cron's
+  rule. A *fixed-time* crontab (minute and hour fields not starting with
+  ``*``) fires once at the first valid instant after a gap (clocks spring
+  forward) and once, at its first instant, for a repeated local time (clocks
+  fall back); a *wildcard* crontab (``0 * * * *``, ``*/15 * * * *``) runs by
+  the new wall clock: every real occurrence through a fold, none for the
+  skipped times of a gap.
 - :mod:`~celery_sched.schedules.interval`: **intervals** step in absolute
   time from the previous *nominal* instant, so nothing drifts however late
   the planner runs.

@@ -17,6 +17,20 @@ anything else by them. Reading a stored field, Celery's parser goes first
 and cron's grammar reads what it refuses; reading a cron string, cron's
 grammar goes first (Celery reads ``mon#2``, ``monL`` and ``mon/2`` as
 plain Monday).
+
+DST follows Vixie/Debian cron. A crontab whose minute or hour field starts
+with ``*`` (``*``, ``*/15``) is a *wildcard job* (:attr:`CronSpec.wildcard`):
+it runs by the new wall clock, at every real instant whose local time
+matches, so through both passes of a repeated hour, and in a skipped hour
+it runs what the clock reads after the jump, with no catch-up. Any other
+crontab is a *fixed-time job*: a repeated local time runs once, at its first
+instant, and a skipped one at the end of the gap
+(:func:`~celery_sched.schedules.wallclock.wall_to_utc`). The stored text
+decides, and it keeps the ``*``: ``crontab(minute="*/15")`` and
+``"*/15 * * * *"`` both store ``*/15``. A crontab given a collection of
+every value (``crontab(hour=range(24))``) is stored as ``*``, so it is a
+wildcard job; a partial one (``range(0, 24, 6)``) is stored as
+``0,6,12,18``, a fixed-time job, as ``0 0,6,12,18 * * *`` is in cron.
 """
 
 from __future__ import annotations
@@ -161,6 +175,14 @@ class CronSpec:
 
     def texts(self) -> dict[str, str]:
         return {field: getattr(self, field).text for field in CRON_FIELDS}
+
+    @property
+    def wildcard(self) -> bool:
+        """Whether this is a wildcard job: its minute or hour field starts
+        with ``*``, the test Vixie/Debian cron applies to the text as written
+        (its ``MIN_STAR`` / ``HR_STAR`` flags), so ``0 * * * *`` and
+        ``*/15 1 * * *`` are wildcard jobs and ``0,15,30,45 1 * * *`` is not."""
+        return self.minute.text.lstrip().startswith("*") or self.hour.text.lstrip().startswith("*")
 
     def as_crontab(self, **kwargs: Any) -> crontab:
         """Celery's crontab of these fields; a :class:`CronString` if they use
@@ -402,7 +424,8 @@ class CronString(crontab):
 
 
 class CompiledCron(Compiled):
-    """A crontab on the wall clock of a zone, with Celery's field semantics."""
+    """A crontab on the wall clock of a zone, with Celery's field semantics
+    and cron's DST rules for wildcard and fixed-time jobs (module docstring)."""
 
     probe = 2 * MINUTE
 
@@ -414,6 +437,7 @@ class CompiledCron(Compiled):
         self.month_set = frozenset(self.months)
         self.zone = zone
         self.clock = WallClock(zone)
+        self.wildcard = self.cron.wildcard
         self.per_day = len(self.minutes) * len(self.hours)
         # The matching days of each shape of month (28 at most).
         self._days: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -422,20 +446,61 @@ class CompiledCron(Compiled):
         zone = self.zone
         local = after if zone is UTC else after.astimezone(zone)
         try:
-            wall = dt.datetime(local.year, local.month, local.day, local.hour, local.minute)
-            wall += MINUTE
-            while True:
-                found = self._next_wall(wall)
-                if found is None:
-                    return None
-                instant = self.clock.instant(found)
-                # Only when `after` lies in the second pass of a repeated hour
-                # do wall times after it map to instants before it.
-                if instant > after:
-                    return instant
-                wall = found + MINUTE
+            here = dt.datetime(local.year, local.month, local.day, local.hour, local.minute)
+            wall = here + MINUTE
+            if not self.wildcard:
+                return self._next_fixed_time(after, wall)
+            found = self._next_real(after, wall, second_pass=False)
+            if zone is UTC or self.clock.day_offset(here) is not None:
+                return found
+            if local.replace(fold=1 - local.fold).utcoffset() == local.utcoffset():
+                return found
+            # `after` lies in a repeated hour. The walk above takes each wall
+            # time's first pass, but the second pass of wall times already
+            # behind `after` may still be ahead of it: walk the second-pass
+            # readings too, from `after`'s wall time on the second pass's
+            # offset (in the second pass that is `here`).
+            second_offset = local.replace(fold=1).utcoffset()
+            assert second_offset is not None
+            start = (after + second_offset).replace(tzinfo=None, second=0, microsecond=0)
+            repeat = self._next_real(after, start + MINUTE, second_pass=True)
+            if found is None or repeat is None:
+                return found or repeat
+            return min(found, repeat)
         except OverflowError:  # past year 9999
             return None
+
+    def _next_fixed_time(self, after: dt.datetime, wall: dt.datetime) -> dt.datetime | None:
+        """The first instant after ``after`` of a matching wall time at or after
+        ``wall``, each wall time read once (:func:`wall_to_utc`)."""
+        while True:
+            found = self._next_wall(wall)
+            if found is None:
+                return None
+            instant = self.clock.instant(found)
+            # Only when `after` lies in the second pass of a repeated hour
+            # do wall times after it map to instants before it.
+            if instant > after:
+                return instant
+            wall = found + MINUTE
+
+    def _next_real(
+        self, after: dt.datetime, wall: dt.datetime, *, second_pass: bool
+    ) -> dt.datetime | None:
+        """The first instant after ``after`` at which the clock reads a
+        matching wall time at or after ``wall``, taking each wall time's
+        first instant (``second_pass``: its last); wall times in a gap have
+        none. Either reading alone grows with the wall time."""
+        while True:
+            found = self._next_wall(wall)
+            if found is None:
+                return None
+            instants = self.clock.instants(found)
+            if instants:
+                instant = instants[-1] if second_pass else instants[0]
+                if instant > after:
+                    return instant
+            wall = found + MINUTE
 
     def _next_wall(self, wall: dt.datetime) -> dt.datetime | None:
         """The first matching wall-clock minute at or after ``wall`` (naive),

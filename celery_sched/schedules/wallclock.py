@@ -1,9 +1,16 @@
 """Wall-clock time and its DST rules: naive local times mapped to UTC instants.
 
 Crontabs are evaluated on the wall clock of their timezone, and ``relative``
-intervals align to its boundaries. A local time that does not exist (clocks
-spring forward) maps to the first valid instant after the gap; a repeated
-local time (clocks fall back) maps to its first instant.
+intervals align to its boundaries. Two readings of a local time, for the
+two kinds of crontab Vixie/Debian cron tells apart
+(:class:`~celery_sched.schedules.cron.CompiledCron`):
+
+- :func:`wall_to_utc`, one instant per local time (fixed-time jobs,
+  intervals): a local time that does not exist (clocks spring forward) maps
+  to the first valid instant after the gap; a repeated local time (clocks
+  fall back) maps to its first instant.
+- :func:`wall_instants`, every instant at which the clock reads that time
+  (wildcard jobs): none in a gap, both in a repeat.
 """
 
 from __future__ import annotations
@@ -47,6 +54,20 @@ def wall_to_utc(wall: dt.datetime, zone: dt.tzinfo) -> dt.datetime:
     return EPOCH + dt.timedelta(seconds=high)
 
 
+def wall_instants(wall: dt.datetime, zone: dt.tzinfo) -> tuple[dt.datetime, ...]:
+    """Every instant at which the wall clock of ``zone`` reads ``wall``
+    (naive), ascending: none in a gap (clocks spring forward), two in a
+    repeat (clocks fall back), else one."""
+    before = wall.replace(tzinfo=zone).utcoffset()
+    after = wall.replace(tzinfo=zone, fold=1).utcoffset()
+    assert before is not None and after is not None
+    if before == after:
+        return ((wall - before).replace(tzinfo=UTC),)
+    if before < after:  # in a gap the two readings straddle the transition
+        return ()
+    return (wall - before).replace(tzinfo=UTC), (wall - after).replace(tzinfo=UTC)
+
+
 def _steady_offset(day: dt.datetime, zone: dt.tzinfo) -> dt.timedelta | None:
     """The UTC offset of the whole local day starting at midnight ``day``
     (naive), or None if the offset changes during it."""
@@ -66,8 +87,9 @@ _UNKNOWN = object()
 
 
 class WallClock:
-    """:func:`wall_to_utc` for one zone, fast on the days (nearly all) whose
-    offset does not change: those are remembered by ordinal."""
+    """:func:`wall_to_utc` and :func:`wall_instants` for one zone, fast on the
+    days (nearly all) whose offset does not change: those are remembered by
+    ordinal."""
 
     def __init__(self, zone: dt.tzinfo) -> None:
         self.zone = zone
@@ -90,3 +112,9 @@ class WallClock:
         if offset is None:
             return wall_to_utc(wall, self.zone)
         return EPOCH + (wall - _EPOCH_NAIVE - offset)
+
+    def instants(self, wall: dt.datetime) -> tuple[dt.datetime, ...]:
+        offset = self.day_offset(wall)
+        if offset is None:
+            return wall_instants(wall, self.zone)
+        return (EPOCH + (wall - _EPOCH_NAIVE - offset),)

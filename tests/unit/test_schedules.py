@@ -17,7 +17,7 @@ import pytest
 from celery import Celery, Task
 from celery.schedules import crontab, schedule, solar
 from celery.utils.time import remaining
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from celery_sched.errors import (
@@ -899,11 +899,11 @@ def test_years_of_downtime_cost_nothing(app: Celery) -> None:
     # `back` itself is due now, not missed.
     assert fast.occurrences == [back - 3 * S, back - 2 * S, back - S, back]
     assert fast.skipped == seconds - 1 - 3
-    # Every UTC minute strictly between, less the second pass of each fall's
-    # repeated hour (fired once), 2024 to 2028. Spring costs nothing: the 60
-    # non-existent wall minutes collapse into 03:00, itself a match.
+    # `* * * * *` is a wildcard job, run by the new wall clock: every real
+    # minute strictly between, both passes of each fall's repeated hour
+    # included, and no made-up minutes for each spring's skipped hour.
     assert slow.occurrences == [back]
-    assert slow.skipped == seconds // 60 - 1 - 5 * 60
+    assert slow.skipped == seconds // 60 - 1
     assert slow.cursor == back
 
 
@@ -942,19 +942,31 @@ cron_fields = st.fixed_dictionaries(
 )
 
 
-def reference_instant(wall: dt.datetime, tz: dt.tzinfo) -> dt.datetime:
-    """The documented rule, the slow obvious way: a wall time that exists is
-    its first instant; one that does not is the first existing minute after it."""
-    while True:
-        first = wall.replace(tzinfo=tz, fold=0)
-        if first.astimezone(UTC).astimezone(tz).replace(tzinfo=None) == wall:
-            return first.astimezone(UTC)
+def reference_instants(wall: dt.datetime, tz: dt.tzinfo, *, wildcard: bool) -> list[dt.datetime]:
+    """The documented rules, the slow obvious way. A wildcard job runs at
+    every instant whose local time is ``wall``: none in a gap, two in a
+    repeat. A fixed-time job runs a wall time that exists at its first
+    instant, one that does not at the first existing minute after it."""
+    real = [
+        instant
+        for fold in (0, 1)
+        if (instant := wall.replace(tzinfo=tz, fold=fold).astimezone(UTC))
+        .astimezone(tz)
+        .replace(tzinfo=None)
+        == wall
+    ]
+    if wildcard:
+        return sorted(set(real))
+    while not real:
         wall += MIN
+        real = reference_instants(wall, tz, wildcard=True)
+    return real[:1]
 
 
 def reference_next(fields: dict[str, str], zone: str, after: dt.datetime) -> dt.datetime | None:
     cron: Any = crontab(**fields)
     tz = zoneinfo.ZoneInfo(zone)
+    wildcard = fields["minute"].startswith("*") or fields["hour"].startswith("*")
     day = after.astimezone(tz).date() - DAY
     for _ in range(366 * 12):
         if (
@@ -962,16 +974,28 @@ def reference_next(fields: dict[str, str], zone: str, after: dt.datetime) -> dt.
             and day.day in cron.day_of_month
             and day.isoweekday() % 7 in cron.day_of_week
         ):
-            for hour in sorted(cron.hour):
-                for minute in sorted(cron.minute):
-                    wall = dt.datetime(day.year, day.month, day.day, hour, minute)
-                    instant = reference_instant(wall, tz)
-                    if instant > after:
-                        return instant
+            # A repeated hour's second pass can come before a later wall
+            # time's only instant: gather the day's instants, then sort.
+            found = sorted(
+                instant
+                for hour in cron.hour
+                for minute in cron.minute
+                for instant in reference_instants(
+                    dt.datetime(day.year, day.month, day.day, hour, minute), tz, wildcard=wildcard
+                )
+                if instant > after
+            )
+            if found:
+                return found[0]
         day += DAY
     return None
 
 
+def _every(minute: str, hour: str = "*") -> dict[str, str]:
+    return dict(minute=minute, hour=hour, day_of_week="*", day_of_month="*", month_of_year="*")
+
+
+# `offset` 86400 s puts `after` at the start instant; folds and gaps come first.
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     fields=cron_fields,
@@ -979,6 +1003,11 @@ def reference_next(fields: dict[str, str], zone: str, after: dt.datetime) -> dt.
     start=st.sampled_from(STARTS),
     offset=st.integers(0, 3 * 86400 * 1_000_000),
 )
+@example(_every("0"), "America/New_York", at("2024-11-03 04:30"), 86400 * 1_000_000)
+@example(_every("*/15", "1"), "Europe/London", at("2024-10-26 23:30"), 86400 * 1_000_000)
+@example(_every("30"), "America/New_York", at("2024-03-10 06:00"), 86400 * 1_000_000)
+@example(_every("*/15"), "Australia/Lord_Howe", at("2024-04-06 14:00"), 86400 * 1_000_000)
+@example(_every("0,15,30,45", "1,2"), "America/New_York", at("2024-11-03 04:30"), 86400 * 1_000_000)
 def test_crontab_next_after_equals_the_reference_rule(
     fields: dict[str, str], zone: str, start: dt.datetime, offset: int
 ) -> None:
