@@ -30,6 +30,7 @@ SPECIAL = {
     "misfire_policy": "all",
     "shards": 3,
     "shard": 2,
+    "fast_publish": "off",
 }
 
 
