@@ -237,5 +237,6 @@ def reconcile(ctx: click.Context, shard: int | None, limit: int | None) -> None:
             ) from exc
     click.echo(
         f"Shard {shard} (epoch {epoch}): requeued {moved.requeued} job(s), marked {moved.dead} "
-        f"dead; {moved.timed_out} of them were running past their max_runtime."
+        f"dead; {moved.timed_out} of them were running past their max_runtime; "
+        f"{moved.untracked} no worker tracks marked sent."
     )

@@ -224,12 +224,20 @@ class Jobs(StoreLifecycle):
     ) -> ReconcileResult:
         """Requeue jobs dispatched longer ago than their visibility timeout.
 
+        Only jobs whose task some worker process tracks: a heartbeat row
+        (live or not yet pruned) lists the task or lists none (see
+        :meth:`WorkerReports.heartbeat`). A stale dispatched job whose task
+        no worker tracks is not requeued (nothing would report that it ran,
+        so a requeue could only run it twice): it becomes ``sent``, finished,
+        counted in ``untracked``.
+
         Also ``retrying`` jobs whose retry was due (their ``dispatched_at``,
         see :meth:`mark_retrying`) longer ago than their visibility timeout:
         the retry message was lost. Either goes pending again with
         ``attempt + 1``; past ``max_attempts`` dead, with the reason. At most
-        ``limit`` rows, dispatched jobs first, then retrying, then running
-        past ``max_runtime``. Fenced like a claim (raises ``StaleEpoch``).
+        ``limit`` rows, dispatched jobs first (requeued, then marked sent),
+        then retrying, then running past ``max_runtime``. Fenced like a claim
+        (raises ``StaleEpoch``).
         """
 
     @abc.abstractmethod
@@ -266,11 +274,20 @@ class WorkerReports(StoreLifecycle):
     transitions (started, retrying, finished, lost)."""
 
     @abc.abstractmethod
-    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+    def heartbeat(
+        self,
+        hostname: str,
+        pid: int,
+        *,
+        first: bool = False,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         """Record that worker process ``(hostname, pid)`` is alive: its
         ``seen_at`` becomes now, and its ``started_at`` too when the row is
         new or ``first`` (the process's first beat: a reused pid is a new
-        process)."""
+        process). ``tasks`` are the names of the tasks whose jobs it tracks
+        (``None``: every task); the reconciler requeues only jobs of tracked
+        tasks (see :meth:`Jobs.reconcile`)."""
 
     @abc.abstractmethod
     def mark_running(

@@ -48,7 +48,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
@@ -79,6 +79,7 @@ def install(app: Any, store: JobStore | None = None) -> None:
     # Workers skip deliveries whose job moved on (celery_sched.fence).
     fence.install(app)
     signals.task_failure.connect(_on_failure, weak=False)
+    signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.worker_process_shutdown.connect(flush_all, weak=False)
     signals.worker_shutdown.connect(flush_all, weak=False)
     atexit.register(flush_all)
@@ -118,9 +119,13 @@ class StatusWriter:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         pending: Iterable[WorkerUpdate] = (),
         hostnames: dict[str, bool] | None = None,
+        tasks: Sequence[str] | None = None,
     ) -> None:
         self.store = store
         self.pid = os.getpid()
+        #: The tasks whose jobs this process tracks, sent with every beat
+        #: (``None``: every task); the reconciler requeues only those.
+        self.tasks = None if tasks is None else sorted(tasks)
         self._interval = interval
         self._retry_interval = retry_interval
         self._max_held = max_held
@@ -153,6 +158,15 @@ class StatusWriter:
         with self._cond:
             pending, self._pending = self._pending, []
             return pending, dict(self._hostnames)
+
+    def watch(self, hostname: str) -> None:
+        """Beat for ``hostname`` from now on (a worker that just started, so
+        that the reconciler knows its tasks are tracked before any job ran)."""
+        with self._cond:
+            if hostname and hostname not in self._hostnames:
+                self._hostnames[hostname] = False
+                self._next_beat = 0.0
+                self._cond.notify()
 
     def report(self, update: WorkerUpdate) -> None:
         with self._cond:
@@ -262,7 +276,7 @@ class StatusWriter:
         ok = True
         for hostname, reached in hostnames.items():
             try:
-                self.store.heartbeat(hostname, self.pid, first=not reached)
+                self.store.heartbeat(hostname, self.pid, first=not reached, tasks=self.tasks)
             except Exception as exc:
                 if not self._beat_failing:
                     logger.warning(
@@ -326,18 +340,41 @@ def writer_for(app: Any) -> StatusWriter:
     """This process's status writer for ``app``, started on first use and
     replaced (taking over its unwritten reports) if its thread is gone."""
     side = backends.worker_side(app)
-    writer = side.part(StatusWriter, lambda: StatusWriter(side.store), keep=True)
+
+    def build() -> StatusWriter:
+        return StatusWriter(side.store, tasks=tracked_tasks(app))
+
+    writer = side.part(StatusWriter, build, keep=True)
     if writer.alive:
         return writer
     with side.lock:
-        writer = side.part(StatusWriter, lambda: StatusWriter(side.store), keep=True)
+        writer = side.part(StatusWriter, build, keep=True)
         if not writer.alive:
             if not writer.closed:
                 logger.error("the job status writer thread of this process ended; replacing it")
             pending, hostnames = writer.handover()
-            writer = StatusWriter(side.store, pending=pending, hostnames=hostnames)
+            writer = StatusWriter(
+                side.store, pending=pending, hostnames=hostnames, tasks=writer.tasks
+            )
             side.replace_part(StatusWriter, writer)
         return writer
+
+
+def tracked_tasks(app: Any) -> list[str]:
+    """The names of ``app``'s tasks whose jobs its workers track (Celery's
+    own ``celery.*`` tasks are never celery_sched jobs)."""
+    return sorted(name for name in app.tasks if not name.startswith("celery."))
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    # The worker's main process beats from its start, listing the tracked
+    # tasks, so the reconciler requeues their lost messages even before any
+    # job ran here.
+    app = getattr(sender, "app", None)
+    hostname = getattr(sender, "hostname", None)
+    if app is None or not hostname or __name__ not in backends.worker_side(app).installed:
+        return
+    writer_for(app).watch(str(hostname))
 
 
 def flush_all(**_: Any) -> None:

@@ -76,6 +76,11 @@ class Reconciler:
                 result.dead,
                 result.timed_out,
             )
+        if result.untracked:
+            logger.info(
+                "reconciler: %d job(s) no worker tracks marked sent (not sent again)",
+                result.untracked,
+            )
 
     def drain(self, epoch: int) -> None:
         """Run batches until one moves fewer than :attr:`limit` jobs.
@@ -86,7 +91,7 @@ class Reconciler:
         """
         while True:
             result = self._batch(epoch)
-            if result.requeued + result.dead < self.limit:
+            if result.requeued + result.dead + result.untracked < self.limit:
                 return
 
     def _batch(self, epoch: int) -> ReconcileResult:
@@ -99,4 +104,5 @@ class Reconciler:
         self._stats.requeued += result.requeued
         self._stats.dead += result.dead
         self._stats.timed_out += result.timed_out
+        self._stats.untracked += result.untracked
         return result

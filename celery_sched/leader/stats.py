@@ -15,6 +15,8 @@ class EngineStats:
     requeued: int = 0
     dead: int = 0
     timed_out: int = 0
+    #: Dispatched jobs no worker tracks, marked sent instead of requeued.
+    untracked: int = 0
     staged: int = 0
     claims: int = 0
     elections: int = 0

@@ -28,6 +28,10 @@ class JobStatus(enum.StrEnum):
     DEAD = "dead"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
+    #: Published once; no worker tracks its task (``tracking.install``), so
+    #: nothing reports whether it ran and it is not sent again (stock beat's
+    #: at-most-once). Set by the reconciler a visibility timeout after dispatch.
+    SENT = "sent"
 
     @property
     def finished(self) -> bool:
@@ -41,6 +45,7 @@ FINISHED_STATUSES = frozenset(
         JobStatus.DEAD,
         JobStatus.CANCELLED,
         JobStatus.EXPIRED,
+        JobStatus.SENT,
     }
 )
 

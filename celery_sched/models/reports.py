@@ -22,6 +22,9 @@ class ReconcileResult:
     #: Rescued jobs that the idempotency ledger records as completed by
     #: this very job: marked succeeded instead of requeued.
     succeeded: int = 0
+    #: Dispatched jobs no worker tracks (no heartbeat lists their task):
+    #: marked ``sent`` instead of requeued.
+    untracked: int = 0
 
 
 #: Statuses a worker reports for a job it runs. ``pending`` is the report of

@@ -26,7 +26,7 @@ from sqlalchemy import (
     Uuid,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from celery_sched.models import JobStatus, MisfirePolicy, OverlapPolicy
 
@@ -244,6 +244,9 @@ def build_metadata(schema: str) -> MetaData:
         Column("pid", Integer, primary_key=True, autoincrement=False),
         _ts("started_at", nullable=False, now_default=True),
         _ts("seen_at", nullable=False, now_default=True),
+        # The tasks whose jobs the process tracks; NULL (a worker of before
+        # 0006) counts as every task. (0006)
+        Column("tasks", ARRAY(Text), nullable=True),
     )
 
     Table(

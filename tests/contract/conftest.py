@@ -34,6 +34,13 @@ if TYPE_CHECKING:
     from celery_sched.dispatch.memory import MemoryDispatcher
 
 
+def tracked(store: Any, *tasks: str) -> None:
+    """A worker process beats listing ``tasks`` (none: every task), as the
+    workers of a tracked deployment do: only then does the reconciler
+    requeue a job it finds not started (else it marks it ``sent``)."""
+    store.heartbeat("tracker@test", 4242, tasks=list(tasks) if tasks else None)
+
+
 def new_job(key: str, due_at: dt.datetime, **fields: Any) -> NewJob:
     """A valid job with a JSON protocol-2 body, due at ``due_at``."""
     body = json.dumps([[1, 2], {"flag": True}, {}]).encode()

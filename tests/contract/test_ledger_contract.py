@@ -27,7 +27,7 @@ from celery_sched.models import (
     WorkerUpdate,
 )
 from celery_sched.settings import Settings
-from tests.contract.conftest import new_job
+from tests.contract.conftest import new_job, tracked
 
 LONG = 60.0
 SHORT = 0.3
@@ -455,6 +455,7 @@ def test_a_delivery_of_a_finished_or_cancelled_job_is_fenced(
 
 def _requeued(store: JobStore, key: str) -> Job:
     """A job claimed at attempt 0 and requeued by the reconciler (attempt 1)."""
+    tracked(store)
     store.add_job(new_job(key, store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
     epoch = store.acquire_epoch(0, "test")
     assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 1

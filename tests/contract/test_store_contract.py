@@ -13,7 +13,7 @@ from celery_sched.errors import DuplicateJob, StaleEpoch
 from celery_sched.interfaces import JobStore
 from celery_sched.models import Job, JobStatus, NewJob
 from celery_sched.timeutil import to_bucket
-from tests.contract.conftest import new_job
+from tests.contract.conftest import new_job, tracked
 
 SECOND = dt.timedelta(seconds=1)
 HOUR = dt.timedelta(hours=1)
@@ -429,6 +429,7 @@ def test_mark_expired_is_fenced_by_epoch(store: JobStore) -> None:
 
 
 def test_reconcile_requeues_past_visibility_timeout(store: JobStore) -> None:
+    tracked(store)
     now = store.now()
     store.add_job(new_job("quick", now - 5 * SECOND, visibility_timeout=0.2))
     store.add_job(new_job("patient", now - 5 * SECOND))  # uses the default timeout
@@ -451,7 +452,57 @@ def test_reconcile_requeues_past_visibility_timeout(store: JobStore) -> None:
     assert status_of(store, "patient") is JobStatus.PENDING
 
 
+def test_a_job_no_worker_tracks_is_marked_sent_not_requeued(store: JobStore) -> None:
+    # #15 (1): workers without tracking report nothing; a requeue of their
+    # job could only run it twice. It was sent once, as stock beat sends it.
+    now = store.now()
+    for key, task in (("alone", "t.untracked"), ("other", "t.untracked"), ("mine", "t.mine")):
+        store.add_job(new_job(key, now - 5 * SECOND, task=task, visibility_timeout=0.1))
+    epoch = leader(store)
+    assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 3
+    time.sleep(0.3)
+    tracked(store, "t.mine", "t.else")  # a tracking worker, of other tasks
+
+    result = store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=300)
+    assert (result.requeued, result.dead, result.untracked) == (1, 0, 2)
+    mine = store.get("mine")
+    assert mine is not None and (mine.status, mine.attempt) == (JobStatus.PENDING, 1)
+    alone = store.get("alone")
+    assert alone is not None
+    assert (alone.status, alone.attempt) == (JobStatus.SENT, 0)
+    assert alone.status.finished and alone.finished_at is not None
+    assert alone.last_error is not None and "t.untracked" in alone.last_error
+    # Finished: nothing moves it again, and pruning takes it.
+    again = store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=0.1)
+    assert (again.requeued, again.untracked) == (0, 0)
+    assert status_of(store, "alone") is JobStatus.SENT
+
+
+def test_a_worker_that_lists_no_tasks_tracks_every_task(store: JobStore) -> None:
+    # A worker of before the task lists (NULL) counts as tracking everything.
+    _job, epoch = claim_one(store, "legacy", task="t.any", visibility_timeout=0.1)
+    time.sleep(0.3)
+    tracked(store)
+    result = store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=300)
+    assert (result.requeued, result.untracked) == (1, 0)
+    assert status_of(store, "legacy") is JobStatus.PENDING
+
+
+def test_the_limit_counts_jobs_marked_sent(store: JobStore) -> None:
+    now = store.now()
+    for i in range(3):
+        store.add_job(new_job(f"u{i}", now - (10 - i) * SECOND, visibility_timeout=0.1))
+    epoch = leader(store)
+    assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 3
+    time.sleep(0.3)
+    result = store.reconcile(shard=0, epoch=epoch, limit=2, default_visibility_timeout=300)
+    assert result.untracked == 2
+    statuses = sorted(status_of(store, f"u{i}") for i in range(3))
+    assert statuses == [JobStatus.DISPATCHED, JobStatus.SENT, JobStatus.SENT]
+
+
 def test_reconcile_marks_dead_after_max_attempts(store: JobStore) -> None:
+    tracked(store)
     store.add_job(new_job("doomed", past(store, 5), max_attempts=2))
     epoch = leader(store)
     for expected_attempt in (1, 2):
@@ -469,6 +520,7 @@ def test_reconcile_marks_dead_after_max_attempts(store: JobStore) -> None:
 
 
 def test_reconcile_counts_dead(store: JobStore) -> None:
+    tracked(store)
     store.add_job(new_job("once", past(store, 5), max_attempts=1))
     store.add_job(new_job("twice", past(store, 5), max_attempts=2))
     epoch = leader(store)
@@ -481,6 +533,7 @@ def test_reconcile_counts_dead(store: JobStore) -> None:
 
 
 def test_reconcile_respects_limit(store: JobStore) -> None:
+    tracked(store)
     for i in range(5):
         store.add_job(new_job(f"l{i}", past(store, 10 - i)))
     epoch = leader(store)

@@ -13,6 +13,7 @@ import pytest
 from celery_sched.errors import StaleEpoch
 from celery_sched.interfaces import JobStore, Ledger
 from celery_sched.models import Job, JobStatus, ReconcileResult, WorkerUpdate
+from tests.contract.conftest import tracked
 from tests.contract.test_store_contract import claim_one, leader, status_of
 
 
@@ -148,6 +149,7 @@ def test_a_running_report_of_an_older_attempt_does_not_move_a_requeued_job(
     # Issue 13 (4, 7): the reconciler requeued the job (attempt 1) while the
     # attempt-0 message was still queued; its late start must not move the
     # pending row to running (the new attempt could then never be claimed).
+    tracked(store)
     job, epoch = claim_one(store, "requeued", visibility_timeout=0.01)
     time.sleep(0.05)
     store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=300)
@@ -416,6 +418,7 @@ def _retrying(store: JobStore, key: str, retry_in: float | None, **fields: Any) 
 
 
 def _reconcile(store: JobStore, timeout: float, limit: int = 10) -> ReconcileResult:
+    tracked(store)
     return store.reconcile(
         shard=0, epoch=store.current_epoch(0), limit=limit, default_visibility_timeout=timeout
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Any
 
@@ -86,3 +87,29 @@ def test_beat_embedded_in_a_worker_dispatches_jobs(
     client_for(e2e_settings).schedule_many(jobs)
     wait_for(lambda: cluster.run_count() >= 200, timeout=60, what="200 executions")
     _assert_exactly_once(cluster, {job["key"] for job in jobs})
+
+
+def test_workers_without_tracking_get_each_job_once_and_it_ends_sent(
+    redis_url: str, make_cluster: Any, e2e_settings: Any
+) -> None:
+    # #15 (1): a project that switches only its beat leaves its workers as
+    # they are (no tracking.install). Nothing reports their runs, so the
+    # reconciler must not re-send them: each job is sent once, as stock beat
+    # sends it, and ends `sent` a visibility timeout later.
+    settings = dataclasses.replace(e2e_settings, visibility_timeout=3.0)
+    cluster = make_cluster(redis_url, settings=settings)
+    cluster.start_beat()
+    cluster.start_worker(E2E_TRACKING="0")
+    wait_for(cluster.leader, timeout=30, what="a leader")
+    jobs = spread_jobs(20, time.time() + 1, 1, tag="untracked")
+    client = client_for(settings)
+    client.schedule_many(jobs)
+    wait_for(lambda: cluster.run_count() >= 20, timeout=60, what="20 executions")
+
+    def statuses() -> collections.Counter[str]:
+        return collections.Counter(str(client.get(job["key"]).status) for job in jobs)
+
+    wait_for(lambda: statuses() == {"sent": 20}, timeout=30, what="every job to end sent")
+    time.sleep(settings.visibility_timeout + 2 * settings.reconcile_interval)
+    _assert_exactly_once(cluster, {job["key"] for job in jobs})
+    assert statuses() == {"sent": 20}

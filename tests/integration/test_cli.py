@@ -110,6 +110,7 @@ def test_reconcile_requeues_a_transaction_at_a_time_until_none_is_left(
         )
         epoch = client.store.acquire_epoch(0, "a leader that lost its messages")
         assert len(client.store.claim_due(shard=0, epoch=epoch, limit=100)) == 7
+        client.store.heartbeat("worker@cli", 4242, tasks=["cli_app.ping"])  # tracked
 
     result = run_sched(
         "reconcile",
@@ -121,6 +122,7 @@ def test_reconcile_requeues_a_transaction_at_a_time_until_none_is_left(
     )
     assert result.returncode == 0, result.stderr
     assert f"(epoch {epoch}): requeued 7 job(s), marked 0 dead; 0 of them" in result.stdout
+    assert "0 no worker tracks marked sent" in result.stdout
     with Client(cli_app.app, settings=settings, staging=False) as client:
         assert client.counts_by_status() == {JobStatus.PENDING: 7}
 

@@ -23,7 +23,7 @@ from celery_sched.models import Job, JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import MIGRATIONS_DIR, PostgresJobStore
 from celery_sched.store.schema import build_metadata
-from tests.contract.conftest import new_job
+from tests.contract.conftest import new_job, tracked
 
 pytestmark = pytest.mark.integration
 
@@ -287,8 +287,8 @@ def test_idle_connections_terminated_are_replaced(
 def test_worker_reports_survive_their_connection_being_terminated(
     store: PostgresJobStore, settings: Settings
 ) -> None:
-    """Status reports run on a per-thread connection outside the pool; a
-    killed one is replaced and the batch retried, nothing is lost."""
+    """Status reports run on the hot-path pool, apart from SQLAlchemy's; a
+    killed connection is replaced and the batch retried, nothing is lost."""
     store.add_job(new_job("a", store.now() - dt.timedelta(seconds=1)))
     store.add_job(new_job("b", store.now() - dt.timedelta(seconds=1)))
     epoch = store.acquire_epoch(0, "w")
@@ -419,6 +419,7 @@ def test_a_claim_retried_after_an_ambiguous_commit_loses_no_row(
     requeues them after their visibility timeout, with an attempt counted."""
     from celery_sched.store.postgres.connection import TransientDatabaseError
 
+    tracked(store)  # a worker tracks the task: the reconciler requeues
     now = store.now()
     for i in range(6):
         store.add_job(

@@ -68,6 +68,7 @@ def _request(app: Celery, job_id: uuid.UUID, key: str, attempt: int | None) -> A
 
 def _requeued(store: PostgresJobStore, key: str) -> uuid.UUID:
     """A job the reconciler requeued (attempt 1) after its first dispatch."""
+    store.heartbeat("tracker@test", 4242)  # tracked workers: the reconciler requeues
     store.add_job(new_job(key, store.now() - dt.timedelta(seconds=5), visibility_timeout=0.01))
     epoch = store.acquire_epoch(0, "test")
     (claimed,) = store.claim_due(shard=0, epoch=epoch, limit=10)

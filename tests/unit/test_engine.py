@@ -157,9 +157,13 @@ def rig() -> Rig:
         staging_window=30.0,
         batch_size=50,
     )
+    store = FlakyStore(clock=clock.wall)
+    # A tracked deployment: a worker beats (no task list: it tracks every
+    # task), so the reconciler requeues what was dispatched and not started.
+    store.heartbeat("worker@test", 4242)
     return Rig(
         clock=clock,
-        store=FlakyStore(clock=clock.wall),
+        store=store,
         staging=FlakyStaging(),
         dispatcher=MemoryDispatcher(),
         lease=MemoryLeaseBackend(clock=clock.mono),
@@ -351,6 +355,24 @@ def test_reconciler_requeues_jobs_that_no_worker_took(rig: Rig) -> None:
     assert rig.dispatcher.sent_ids() == [job_id, job_id]
     job = rig.store.get_by_id(job_id)
     assert job is not None and job.attempt == 1
+
+
+def test_a_job_no_worker_tracks_is_sent_once_and_ends_sent(rig: Rig) -> None:
+    # #15 (1): workers without tracking (no heartbeat lists the task) report
+    # nothing, so the reconciler does not send the job again.
+    assert rig.store.prune_workers(older_than=-1) == 1  # no worker beats
+    job_id = rig.add(-1)
+    elector = rig.elector("a")
+    elector.try_acquire()
+    engine = rig.engine(elector)
+    engine.step()
+    for _ in range(int((rig.settings.visibility_timeout + rig.settings.sweep_interval + 2) / 0.5)):
+        engine.step()
+        rig.clock.advance(0.5)
+        elector.renew()
+    assert rig.dispatcher.sent_ids() == [job_id]
+    assert rig.status(job_id) is JobStatus.SENT
+    assert engine.stats.untracked == 1 and engine.stats.requeued == 0
 
 
 def test_a_started_job_is_not_requeued(rig: Rig) -> None:

@@ -69,6 +69,7 @@ def env() -> Iterator[Env]:
     app.conf.task_store_eager_result = False
     clock = Clock()
     store = MemoryJobStore(clock=clock)
+    store.heartbeat("worker@test", 4242)  # tracked workers: the reconciler requeues
     ledger = MemoryLedger(clock=clock)
     settings = Settings(ledger_lease=LEASE, ledger_max_result_bytes=64)
     client = Client(app, settings=settings, store=store, staging=False)

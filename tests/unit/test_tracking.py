@@ -6,9 +6,10 @@ import datetime as dt
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import celery.signals
 import pytest
 from celery import Celery
 
@@ -415,10 +416,19 @@ class BeatCountingStore(MemoryJobStore):
     def __init__(self) -> None:
         super().__init__()
         self.beats: list[tuple[str, int, bool]] = []
+        self.tasks: list[list[str] | None] = []
 
-    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+    def heartbeat(
+        self,
+        hostname: str,
+        pid: int,
+        *,
+        first: bool = False,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         self.beats.append((hostname, pid, first))
-        super().heartbeat(hostname, pid, first=first)
+        self.tasks.append(None if tasks is None else list(tasks))
+        super().heartbeat(hostname, pid, first=first, tasks=tasks)
 
 
 def test_the_writer_beats_for_its_process_once_it_started_a_job() -> None:
@@ -440,6 +450,49 @@ def test_the_writer_beats_for_its_process_once_it_started_a_job() -> None:
         writer.close()
     job = store.get_by_id(job_id)
     assert job is not None and (job.status, job.worker_pid) == (JobStatus.RUNNING, os.getpid())
+
+
+def test_beats_list_the_tasks_this_process_tracks() -> None:
+    # #15 (1): the reconciler requeues only jobs of tasks some worker tracks.
+    store = BeatCountingStore()
+    writer = tracking.StatusWriter(
+        store, interval=0.01, heartbeat_interval=0.05, tasks=["t.b", "t.a"]
+    )
+    try:
+        writer.watch("w@h")
+        _wait_for(lambda: len(store.beats) >= 2)
+        assert store.beats[0] == ("w@h", os.getpid(), True)
+        assert set(map(tuple, filter(None, store.tasks))) == {("t.a", "t.b")}
+        assert None not in store.tasks
+    finally:
+        writer.close()
+
+
+class _Consumer:
+    """What ``worker_ready`` sends: a worker's consumer (hashable, as Celery's)."""
+
+    def __init__(self, app: Celery, hostname: str) -> None:
+        self.app = app
+        self.hostname = hostname
+
+
+def test_a_worker_beats_from_its_start_listing_the_apps_tasks(
+    app_and_store: tuple[Celery, MemoryJobStore],
+) -> None:
+    # Before any job ran here, the main process announces what it tracks, so
+    # a job whose message is lost is requeued, not marked sent.
+    app, store = app_and_store
+    listed = tracking.tracked_tasks(app)
+    assert {"t.boom", "t.ok"} <= set(listed) and listed == sorted(listed)
+    assert not any(name.startswith("celery.") for name in listed)  # Celery's own
+    celery.signals.worker_ready.send(sender=_Consumer(app, "celery@ready"))
+    _wait_for(lambda: ("celery@ready", os.getpid()) in store._workers)
+    assert store._worker_tasks[("celery@ready", os.getpid())] == frozenset(listed)
+    # An app without tracking does not beat.
+    other = Celery("untracked", set_as_current=False)
+    celery.signals.worker_ready.send(sender=_Consumer(other, "x@y"))
+    time.sleep(0.1)
+    assert not any(host == "x@y" for host, _ in store._workers)
 
 
 def test_a_running_report_carries_the_pid(app_and_store: tuple[Celery, MemoryJobStore]) -> None:

@@ -36,6 +36,8 @@ class MemoryStoreBase(StoreLifecycle):
         # rescuer asks this ledger which jobs completed.
         self._ledger = ledger
         self._workers: dict[tuple[str, int], list[dt.datetime]] = {}
+        #: The tasks each worker process tracks (None: every task).
+        self._worker_tasks: dict[tuple[str, int], frozenset[str] | None] = {}
         self._lock = threading.RLock()
         self._jobs: dict[uuid.UUID, Job] = {}
         self._by_key: dict[str, uuid.UUID] = {}
@@ -120,6 +122,10 @@ class MemoryStoreBase(StoreLifecycle):
     def _put(self, job: Job) -> None:
         self._jobs[job.id] = job
         self._by_key[job.key] = job.id
+
+    def _tracked(self, task: str) -> bool:
+        """Whether a worker process tracks ``task`` (see ``Jobs.reconcile``)."""
+        return any(tasks is None or task in tasks for tasks in self._worker_tasks.values())
 
     def _update(self, job: Job, **changes: Any) -> Job:
         updated = dataclasses.replace(job, **changes)

@@ -273,10 +273,12 @@ class MemoryJobs(MemoryStoreBase, Jobs):
     def reconcile(
         self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
     ) -> ReconcileResult:
-        """Stale dispatched jobs first (oldest dispatch first), then retrying
-        jobs whose retry is overdue (oldest due first), then running jobs past
-        their max_runtime, ``limit`` rows in all. ``timed_out`` counts the
-        latter; ``requeued`` and ``dead`` count every job moved."""
+        """Stale dispatched jobs first (oldest dispatch first; requeued when
+        a worker tracks their task, then the others marked sent), then
+        retrying jobs whose retry is overdue (oldest due first), then running
+        jobs past their max_runtime, ``limit`` rows in all. ``timed_out``
+        counts the latter; ``requeued`` and ``dead`` count every job moved,
+        ``untracked`` those marked sent."""
         with self._lock:
             self._check_epoch(shard, epoch)
             now = self.now()
@@ -309,9 +311,19 @@ class MemoryJobs(MemoryStoreBase, Jobs):
             stale.sort(key=lambda job: (job.dispatched_at, str(job.id)))
             retries.sort(key=lambda job: (job.dispatched_at, str(job.id)))
             overran.sort(key=lambda job: (job.started_at, str(job.id)))
-            stale = stale[:limit]
-            retries = retries[: limit - len(stale)]
-            overran = overran[: limit - len(stale) - len(retries)]
+            untracked = [job for job in stale if not self._tracked(job.task)]
+            stale = [job for job in stale if self._tracked(job.task)][:limit]
+            untracked = untracked[: limit - len(stale)]
+            retries = retries[: limit - len(stale) - len(untracked)]
+            overran = overran[: limit - len(stale) - len(untracked) - len(retries)]
+            for job in untracked:
+                self._update(
+                    job,
+                    status=JobStatus.SENT,
+                    finished_at=now,
+                    last_error=f"sent once; no worker tracks task {job.task} "
+                    "(celery_sched.tracking.install), so it is not sent again",
+                )
             dead = 0
             for job in (*stale, *retries):
                 timeout = (
@@ -335,7 +347,9 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                     started_at=None,
                 )
             moved = len(stale) + len(retries) + len(overran)
-            return ReconcileResult(requeued=moved - dead, dead=dead, timed_out=len(overran))
+            return ReconcileResult(
+                requeued=moved - dead, dead=dead, timed_out=len(overran), untracked=len(untracked)
+            )
 
     def rescue(
         self, *, shard: int, epoch: int, limit: int, worker_timeout: float

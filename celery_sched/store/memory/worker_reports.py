@@ -17,12 +17,20 @@ _CLAIMABLE_BY_WORKER = frozenset({JobStatus.DISPATCHED, JobStatus.RETRYING, JobS
 class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
     """:class:`~celery_sched.interfaces.WorkerReports` in memory."""
 
-    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+    def heartbeat(
+        self,
+        hostname: str,
+        pid: int,
+        *,
+        first: bool = False,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         with self._lock:
             now = self.now()
             row = self._workers.get((hostname, pid))
             started = now if row is None or first else row[0]
             self._workers[(hostname, pid)] = [started, now]
+            self._worker_tasks[(hostname, pid)] = None if tasks is None else frozenset(tasks)
 
     def mark_running(
         self, job_id: uuid.UUID, *, worker: str, worker_pid: int | None = None
@@ -117,4 +125,5 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
             gone = [name for name, (_, seen) in self._workers.items() if seen < cutoff]
             for name in gone:
                 del self._workers[name]
+                self._worker_tasks.pop(name, None)
             return len(gone)

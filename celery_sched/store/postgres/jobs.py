@@ -353,8 +353,9 @@ class PostgresJobs(PostgresStoreBase, Jobs):
 
         ``requeued`` and ``dead`` count every job moved; ``timed_out`` counts
         those of them that were running past their ``max_runtime`` (the rest
-        never started). At most ``limit`` rows in all, stale dispatched jobs
-        first, then overdue retries.
+        never started); ``untracked`` those marked ``sent`` instead (no worker
+        tracks their task). At most ``limit`` rows in all, stale dispatched
+        jobs first, then overdue retries.
         """
         timeout = default_visibility_timeout
         s = self.statements
@@ -363,16 +364,23 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             self._fence(conn, shard, epoch)
             params = {"p_shard": shard, "p_limit": limit, "default_timeout": timeout}
             moved = list(conn.execute(s.requeue_dispatched, params).scalars())
+            untracked = 0
             if len(moved) < limit:
                 params["p_limit"] = limit - len(moved)
+                untracked = len(conn.execute(s.mark_untracked, params).scalars().all())
+            if len(moved) + untracked < limit:
+                params["p_limit"] = limit - len(moved) - untracked
                 moved += conn.execute(s.requeue_retrying, params).scalars()
             overran: list[str] = []
-            if len(moved) < limit:
-                params["p_limit"] = limit - len(moved)
+            if len(moved) + untracked < limit:
+                params["p_limit"] = limit - len(moved) - untracked
                 overran = list(conn.execute(s.requeue_running, params).scalars())
             dead = sum(1 for status in (*moved, *overran) if status == JobStatus.DEAD.value)
             return ReconcileResult(
-                requeued=len(moved) + len(overran) - dead, dead=dead, timed_out=len(overran)
+                requeued=len(moved) + len(overran) - dead,
+                dead=dead,
+                timed_out=len(overran),
+                untracked=untracked,
             )
 
         if limit <= 0:
@@ -380,13 +388,15 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             self.database.transaction("reconcile", lambda conn: self._fence(conn, shard, epoch))
             return ReconcileResult()
         result = self.database.transaction("reconcile", run)
-        if result.requeued or result.dead or result.timed_out:
+        if result.requeued or result.dead or result.timed_out or result.untracked:
             logger.info(
-                "shard %d: reconciler requeued %d, marked %d dead, timed out %d",
+                "shard %d: reconciler requeued %d, marked %d dead, timed out %d, "
+                "left %d untracked as sent",
                 shard,
                 result.requeued,
                 result.dead,
                 result.timed_out,
+                result.untracked,
             )
         return result
 

@@ -49,6 +49,7 @@ from sqlalchemy import (
     func,
     literal,
     literal_column,
+    not_,
     null,
     or_,
     select,
@@ -405,9 +406,19 @@ def _requeue(t: Tables, chosen: Any, why: str, *args: Any) -> Update:
     )
 
 
+def _tracked(t: Tables) -> ColumnElement[bool]:
+    """Whether some worker process tracks the job's task: a heartbeat row
+    (live or not yet pruned) lists it, or has no list (a worker of before
+    0006, which tracks every task). Only then can a requeue be told apart
+    from a run nobody reported."""
+    w = t.workers.c
+    return exists().where(or_(w.tasks.is_(None), t.jobs.c.task == any_(w.tasks)))
+
+
 def requeue_dispatched(t: Tables) -> Update:
     """Requeue up to ``p_limit`` jobs of ``p_shard`` dispatched longer ago
-    than their visibility timeout (``default_timeout`` when unset)."""
+    than their visibility timeout (``default_timeout`` when unset) whose
+    task some worker tracks."""
     c = t.jobs.c
     timeout = _visibility_timeout(t)
     stale = _oldest(
@@ -415,9 +426,40 @@ def requeue_dispatched(t: Tables) -> Update:
         "stale",
         DISPATCHED,
         c.dispatched_at < func.now() - seconds(timeout),
+        _tracked(t),
         by=c.dispatched_at,
     )
     return _requeue(t, stale, "not started within %ss of dispatch", timeout)
+
+
+def mark_untracked(t: Tables) -> Update:
+    """Mark ``sent`` up to ``p_limit`` jobs of ``p_shard`` dispatched longer
+    ago than their visibility timeout whose task no worker tracks: nothing
+    would report their run, so a requeue could only run them twice."""
+    c = t.jobs.c
+    timeout = _visibility_timeout(t)
+    stale = _oldest(
+        t,
+        "untracked",
+        DISPATCHED,
+        c.dispatched_at < func.now() - seconds(timeout),
+        not_(_tracked(t)),
+        by=c.dispatched_at,
+    )
+    return (
+        update(t.jobs)
+        .where(c.id == stale.c.id)
+        .values(
+            status="sent",
+            finished_at=func.now(),
+            last_error=func.format(
+                "sent once; no worker tracks task %s (celery_sched.tracking.install), "
+                "so it is not sent again",
+                c.task,
+            ),
+        )
+        .returning(c.status)
+    )
 
 
 def requeue_retrying(t: Tables) -> Update:
@@ -555,18 +597,21 @@ def rescue(t: Tables) -> Update:
 
 
 def heartbeat(t: Tables) -> Any:
-    """Worker process ``(p_hostname, p_pid)`` is alive (``p_first``: its first beat)."""
+    """Worker process ``(p_hostname, p_pid)`` is alive (``p_first``: its first
+    beat) and tracks the jobs of tasks ``p_tasks`` (NULL: every task)."""
     w = t.workers.c
     now = func.now()
+    tasks = bindparam("p_tasks", type_=postgresql.ARRAY(Text))
     # A process's first beat (re)sets started_at: a reused pid is a new
     # process, and jobs started before it are not running in it.
     return (
         pg_insert(t.workers)
-        .values(hostname=bindparam("p_hostname"), pid=bindparam("p_pid"))
+        .values(hostname=bindparam("p_hostname"), pid=bindparam("p_pid"), tasks=tasks)
         .on_conflict_do_update(
             index_elements=[w.hostname, w.pid],
             set_={
                 "seen_at": now,
+                "tasks": tasks,
                 "started_at": case((bindparam("p_first", type_=Boolean), now), else_=w.started_at),
             },
         )
@@ -956,6 +1001,7 @@ NAMED: tuple[Callable[[Tables], Any], ...] = (
     fail_dispatch,
     unfinished_by_shard,
     requeue_dispatched,
+    mark_untracked,
     requeue_retrying,
     requeue_running,
     rescue,
@@ -990,6 +1036,7 @@ class Statements:
         self.fail_dispatch = fail_dispatch(t)
         self.unfinished_by_shard = unfinished_by_shard(t)
         self.requeue_dispatched = requeue_dispatched(t)
+        self.mark_untracked = mark_untracked(t)
         self.requeue_retrying = requeue_retrying(t)
         self.requeue_running = requeue_running(t)
         self.rescue = rescue(t)

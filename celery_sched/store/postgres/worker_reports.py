@@ -1,6 +1,6 @@
 """What workers report, on PostgreSQL: heartbeats and their jobs' transitions.
 
-Reports run on the calling thread's own autocommit connection
+Reports run on an autocommit connection of the hot-path pool
 (:meth:`~celery_sched.store.postgres.connection.Database.run_raw`): a worker
 sends them for every task. The statements are named in
 :mod:`~celery_sched.store.postgres.statements`.
@@ -40,9 +40,17 @@ class PostgresWorkerReports(PostgresStoreBase, WorkerReports):
             workers.c.seen_at < func.now() - seconds_param("older_than")
         )
 
-    def heartbeat(self, hostname: str, pid: int, *, first: bool = False) -> None:
+    def heartbeat(
+        self,
+        hostname: str,
+        pid: int,
+        *,
+        first: bool = False,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         stmt = self._heartbeat
-        params = stmt.params(p_hostname=hostname, p_pid=pid, p_first=first)
+        listed = None if tasks is None else list(tasks)
+        params = stmt.params(p_hostname=hostname, p_pid=pid, p_first=first, p_tasks=listed)
         self.database.run_raw("heartbeat", lambda cur: cur.execute(stmt.sql, params))
 
     def mark_running(
