@@ -152,6 +152,11 @@ class Settings:
         "Maximum PostgreSQL connections in the pool. A leading beat claims a backlog on up to "
         "three of them at once, always leaving one free.",
     )
+    pgbouncer: bool = _field(
+        False,
+        "Connect through PgBouncer in transaction pooling mode: no start-up `options`, no "
+        "prepared statements; timeouts and TimeZone are set per transaction (`SET LOCAL`).",
+    )
     connect_retries: int = _field(
         4, "Attempts for a transient database or Redis failure before giving up."
     )

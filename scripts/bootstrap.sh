@@ -47,4 +47,20 @@ if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev
     fi
 fi
 
+# tests/integration/test_postgres_connections.py starts a private PgBouncer
+# (transaction pooling) in front of the test database, and fails without one.
+# Debian's package; its system service is not used (nor started here).
+if ! command -v pgbouncer >/dev/null 2>&1 && [[ ! -x /usr/sbin/pgbouncer ]]; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "installing pgbouncer (Debian package) for the PgBouncer tests"
+        # A fresh image may have no package lists yet.
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null 2>&1 || {
+            apt-get update -qq >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null
+        }
+    else
+        log "WARNING: pgbouncer is not installed; the PgBouncer tests will fail until it is"
+    fi
+fi
+
 bash "$ROOT/scripts/services.sh"

@@ -3,8 +3,27 @@
 :class:`Database` is the seam every backend of this package goes through (the
 job store's roles and the idempotency ledger): it owns the SQLAlchemy engine
 (pooled, created lazily, so constructing one connects to nothing), the
-per-thread autocommit psycopg connections of the hot paths, the one retry
+pool of autocommit psycopg connections of the hot paths, the one retry
 helper and the one translation of driver errors.
+
+Each process holds at most ``pool_max_size`` connections in each of its two
+pools, however many threads or greenlets use them: an operation checks a
+connection out and returns it when done. The hot-path pool is
+:class:`HotPool`, not ``psycopg_pool.ConnectionPool``: that pool opens
+connections in background threads, so a caller waiting for one while the
+database is unreachable learns nothing until its wait times out (then
+``PoolTimeout``, not the connection error), which would turn the delivery
+fence's single fail-fast try (:meth:`Database.run_raw_once`) and every retry
+into a wait of the whole timeout.
+
+Behind PgBouncer in transaction pooling mode (``celery_sched_pgbouncer``),
+consecutive transactions of one client run on different server sessions, and
+PgBouncer refuses the start-up ``options`` parameter: nothing may rely on
+session state. Connections then carry no ``options`` and prepare no
+statements, and every transaction sets the session settings for itself
+(``set_config(..., true)``, i.e. ``SET LOCAL``). Every statement names its
+schema, so no ``search_path`` is needed; ``application_name`` is a start-up
+parameter PgBouncer accepts and passes on.
 
 Driver exceptions stop here: connection losses and serialization failures are
 retried (:func:`celery_sched.retry.call_with_retry`) and finally raised as
@@ -25,7 +44,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.engine import Connection, Engine
@@ -49,7 +68,7 @@ CONNECT_TIMEOUT = 10
 #: The dialect statements are compiled for (SQLAlchemy's psycopg 3 dialect).
 DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
 
-#: Per-thread connections inherited over a fork (see ``Database.raw_connection``).
+#: Hot-path pools inherited over a fork (see :meth:`Database.hot_pool`).
 _INHERITED: list[Any] = []
 
 _UNIQUE_DETAIL = re.compile(r"Key \((?P<column>\w+)\)=\((?P<value>.*)\) already exists", re.S)
@@ -123,6 +142,81 @@ def raw_cursor(conn: Connection) -> Iterator[psycopg.Cursor[Any]]:
         raise
 
 
+class HotConnection(psycopg.Connection[Any]):
+    """A connection of the hot-path pool, keeping its one cursor: a new
+    cursor per statement costs a good part of a small statement."""
+
+    hot_cursor: psycopg.Cursor[Any] | None = None
+
+
+class HotPool:
+    """At most ``size`` autocommit connections, shared by the threads (or
+    greenlets) of one process; most recently returned first out.
+
+    A connection is opened in the calling thread when none is idle and the
+    bound allows, so a connection failure is raised at once; when all
+    ``size`` are checked out, :meth:`getconn` waits up to ``timeout``
+    seconds, then raises :class:`TransientDatabaseError` (retried like a
+    lost connection). Idle connections stay open until :meth:`close`.
+    """
+
+    def __init__(self, connect: Callable[[], HotConnection], *, size: int, timeout: float) -> None:
+        self._connect = connect
+        self._size = size
+        self._timeout = timeout
+        self._slots = threading.BoundedSemaphore(size)
+        self._lock = threading.Lock()
+        self._idle: list[HotConnection] = []
+        self._closed = False
+
+    def getconn(self) -> HotConnection:
+        """A connection of this pool; give it back with :meth:`putconn`."""
+        if not self._slots.acquire(timeout=self._timeout):
+            raise TransientDatabaseError(
+                TimeoutError(
+                    f"all {self._size} hot-path connections stayed busy for {self._timeout}s"
+                )
+            )
+        try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            return conn if conn is not None and not conn.closed else self._connect()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def putconn(self, conn: HotConnection) -> None:
+        """Take ``conn`` back: kept if healthy, else closed. After a broken
+        one the idle ones are closed too: they likely share its fate (a
+        failover, a restart), and each would cost a failed retry."""
+        try:
+            broken = conn.broken or conn.closed
+            healthy = (
+                not broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            )
+            with self._lock:
+                keep = healthy and not self._closed
+                if keep:
+                    self._idle.append(conn)
+                stale, self._idle = (self._idle, []) if broken else ([], self._idle)
+            if not keep:
+                stale.append(conn)
+            for old in stale:
+                with contextlib.suppress(psycopg.Error):
+                    old.close()
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        """Close the idle connections, and the others as they come back."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+
 class Database:
     """One PostgreSQL database as the backends of this package reach it.
 
@@ -133,9 +227,21 @@ class Database:
         self._settings = settings
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
-        self._local = threading.local()
-        self._raw_lock = threading.Lock()
-        self._raw_conns: list[psycopg.Connection[Any]] = []
+        self._pool: HotPool | None = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
+        idle_ms = max(1000, round(settings.lease_ttl * 1000))
+        self._session_settings = {
+            "statement_timeout": str(round(settings.statement_timeout * 1000)),
+            "TimeZone": "UTC",
+            "idle_in_transaction_session_timeout": str(idle_ms),
+        }
+        # Behind PgBouncer: the settings as the first statement of every
+        # transaction (one statement, one round trip).
+        self._local_settings = "SELECT " + ", ".join(
+            f"set_config('{name}', '{value}', true)"
+            for name, value in self._session_settings.items()
+        )
 
     @property
     def settings(self) -> Settings:
@@ -165,28 +271,51 @@ class Database:
         # back and, on waking, meets the new epoch.
         # SQLAlchemy opens connections on demand and keeps up to pool_size of
         # them, so pool_max_size bounds the pool and nothing is opened early.
-        return create_engine(
+        engine = create_engine(
             s.sqlalchemy_url(),
-            pool_size=max(s.pool_max_size, s.pool_min_size),
+            pool_size=self.pool_bound,
             max_overflow=0,
             pool_timeout=max(s.statement_timeout, 1.0),
             # Pooled connections killed while idle (failover, pg_terminate_backend)
             # are detected at checkout instead of failing the next statement.
             pool_pre_ping=True,
-            connect_args={
-                "connect_timeout": CONNECT_TIMEOUT,
-                "application_name": f"celery_sched[{self.schema}]"[:63],
-                "options": self._session_options(),
-            },
+            connect_args=self._connect_args(f"celery_sched[{self.schema}]"),
         )
+        if s.pgbouncer:
+            event.listen(engine, "begin", self._set_local_settings)
+        return engine
 
-    def _session_options(self) -> str:
-        s = self._settings
-        idle_ms = max(1000, round(s.lease_ttl * 1000))
-        return (
-            f"-c statement_timeout={round(s.statement_timeout * 1000)} -c TimeZone=UTC "
-            f"-c idle_in_transaction_session_timeout={idle_ms}"
-        )
+    @property
+    def pool_bound(self) -> int:
+        """The most connections each of this process's two pools opens."""
+        return max(self._settings.pool_max_size, self._settings.pool_min_size, 1)
+
+    def _connect_args(self, application_name: str) -> dict[str, Any]:
+        """psycopg's arguments for a new connection, beyond the URL."""
+        args: dict[str, Any] = {
+            "connect_timeout": CONNECT_TIMEOUT,
+            "application_name": application_name[:63],
+        }
+        if self._settings.pgbouncer:
+            # PgBouncer 1.18 in transaction mode cannot route a prepared
+            # statement to the server session that prepared it.
+            args["prepare_threshold"] = None
+        else:
+            # The cheapest place for the session settings: the start-up
+            # packet (PgBouncer refuses it, see the module docstring).
+            args["options"] = " ".join(
+                f"-c {name}={value}" for name, value in self._session_settings.items()
+            )
+        return args
+
+    def _set_local_settings(self, conn: Connection) -> None:
+        # SQLAlchemy's "begin" event, behind PgBouncer: the driver has not
+        # begun yet; this statement begins its transaction. An autocommit
+        # connection (the ledger's single statements) has no transaction to
+        # set them in: it runs with the role's defaults.
+        driver: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+        if not driver.autocommit:
+            driver.execute(self._local_settings)
 
     # -- running statements -------------------------------------------------
 
@@ -204,14 +333,16 @@ class Database:
         return self.transaction(what, lambda conn: conn.execute(stmt, params).rowcount)
 
     def run_raw(self, what: str, fn: Callable[[psycopg.Cursor[Any]], T]) -> T:
-        """Run ``fn`` with a cursor of this thread's own autocommit psycopg connection.
+        """Run ``fn`` with a cursor of an autocommit psycopg connection of
+        the hot-path pool (:meth:`hot_pool`), checked out for this call.
 
-        For the per-task hot paths (ledger, status reports): a pool checkout
-        with its pre-ping and SQLAlchemy's per-statement work cost several
+        For the per-task hot paths (ledger, status reports): SQLAlchemy's
+        checkout with its pre-ping and its per-statement work cost several
         times a small statement, and so does a new cursor per statement; the
         cursor is kept with its connection. Retried whole on transient
         failures, with a broken connection replaced, so ``fn`` must be safe
-        to repeat.
+        to repeat. Behind PgBouncer ``fn`` runs in a transaction of its own
+        (see the module docstring).
         """
         return self.retry(lambda: self._on_raw_cursor(fn), what)
 
@@ -224,43 +355,44 @@ class Database:
             raise self.unavailable(exc) from exc
 
     def _on_raw_cursor(self, fn: Callable[[psycopg.Cursor[Any]], T]) -> T:
-        conn = self.raw_connection()
-        cursor: psycopg.Cursor[Any] | None = getattr(self._local, "cursor", None)
-        if cursor is None or cursor.connection is not conn:
-            cursor = self._local.cursor = conn.cursor()
+        pool = self.hot_pool()
+        conn = pool.getconn()
         try:
-            return fn(cursor)
-        except psycopg.Error:
-            if conn.closed or conn.broken:
-                self._local.conn = None
-                with contextlib.suppress(psycopg.Error):
-                    conn.close()
-            raise
+            cursor = conn.hot_cursor
+            if cursor is None:
+                cursor = conn.hot_cursor = conn.cursor()
+            if not self._settings.pgbouncer:
+                return fn(cursor)
+            with conn.transaction():
+                cursor.execute(self._local_settings)
+                return fn(cursor)
+        finally:
+            pool.putconn(conn)
 
-    def raw_connection(self) -> psycopg.Connection[Any]:
-        """This thread's autocommit psycopg connection, opened on first use
-        (and again after a fork or once it is closed)."""
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+    def hot_pool(self) -> HotPool:
+        """This process's pool of autocommit psycopg connections for
+        :meth:`run_raw` (at most :attr:`pool_bound`; a caller waits up to
+        the statement timeout for one), new after a fork."""
+        pool = self._pool
         pid = os.getpid()
-        if conn is not None and getattr(self._local, "pid", pid) != pid:
-            # Inherited over a fork: never used or closed by the child
-            # (closing would end the parent's session), just kept referenced.
-            _INHERITED.append(conn)
-            conn = None
-        if conn is None or conn.closed:
-            conn = psycopg.connect(
-                self._settings.libpq_conninfo(),
-                autocommit=True,
-                connect_timeout=CONNECT_TIMEOUT,
-                application_name=f"celery_sched[{self.schema}] worker"[:63],
-                options=self._session_options(),
-            )
-            self._local.conn = conn
-            self._local.pid = pid
-            with self._raw_lock:
-                self._raw_conns = [c for c in self._raw_conns if not c.closed]
-                self._raw_conns.append(conn)
-        return conn
+        if pool is not None and self._pool_pid == pid:
+            return pool
+        with self._pool_lock:
+            if self._pool is not None and self._pool_pid != pid:
+                # Inherited over a fork: never used or closed by the child
+                # (closing would end the parent's sessions), just kept referenced.
+                _INHERITED.append(self._pool)
+                self._pool = None
+            if self._pool is None:
+                conninfo = self._settings.libpq_conninfo()
+                kwargs = self._connect_args(f"celery_sched[{self.schema}] worker")
+                self._pool = HotPool(
+                    lambda: HotConnection.connect(conninfo, autocommit=True, **kwargs),
+                    size=self.pool_bound,
+                    timeout=max(self._settings.statement_timeout, 1.0),
+                )
+                self._pool_pid = pid
+            return self._pool
 
     # -- retries and errors -------------------------------------------------
 
@@ -328,11 +460,12 @@ class Database:
 
     def close(self) -> None:
         """Close every connection this database opened; it reopens on next use."""
-        with self._raw_lock:
-            conns, self._raw_conns = self._raw_conns, []
-        for conn in conns:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.close()
+        elif pool is not None:
+            _INHERITED.append(pool)
         with self._engine_lock:
             if self._engine is not None:
                 self._engine.dispose()

@@ -15,8 +15,8 @@ the ledger row read, to tell a completed key from a held one.
 :meth:`PostgresLedger.complete` is one upsert (durable; the acquire commits
 without waiting for its WAL flush, see
 :func:`~celery_sched.store.postgres.statements.ledger_acquire`, so a lost
-take is re-created by the completion). Both run precompiled on the
-autocommit psycopg connection of the calling thread
+take is re-created by the completion). Both run precompiled on an
+autocommit psycopg connection of the store's hot-path pool
 (:meth:`~celery_sched.store.postgres.connection.Database.run_raw`): a worker
 pays for them twice per task. Single statements need no ``BEGIN``/``COMMIT``:
 each is atomic.
