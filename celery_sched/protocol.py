@@ -15,7 +15,10 @@ Every writer and reader of a job's message imports from here:
   and ``expires``) and expiry (:func:`is_expired`, :func:`send_expires_at`);
 - the JSON envelope Kombu's Redis transport wraps a message in, which the
   dispatcher writes itself (:class:`RedisEnvelopes`). The AMQP properties of
-  the RabbitMQ path are :mod:`celery_sched.dispatch.amqp_wire`.
+  the RabbitMQ path are :mod:`celery_sched.dispatch.amqp_wire`;
+- the body's compression (:func:`compress_body`, Kombu's ``compression``
+  header) and what Celery's ``before_task_publish`` / ``after_task_publish``
+  receivers are given for a message (:class:`PublishSignals`).
 
 The job-scheduling path pushes a million bodies through :class:`BodyEncoder`
 in one ``schedule_many`` call, and the beat builds headers and envelopes for
@@ -30,23 +33,27 @@ batch.
 from __future__ import annotations
 
 import base64
+import contextvars
 import dataclasses
 import datetime as dt
 import itertools
 import json
 import math
 import uuid
+from collections.abc import Mapping
 from json.encoder import encode_basestring_ascii
 from typing import Any, Protocol
 
+import kombu.compression
 import kombu.serialization
 import orjson
+from celery import signals
 from celery.utils.saferepr import saferepr
 from kombu.serialization import dumps
 from kombu.utils.json import dumps as kombu_json_dumps
 
 from celery_sched.errors import InvalidArguments, InvalidJob
-from celery_sched.models import Job
+from celery_sched.models import Job, decode_body
 from celery_sched.timeutil import ensure_utc
 
 # -- names ---------------------------------------------------------------------------
@@ -614,3 +621,149 @@ class RedisEnvelopes:
                 b'"}}',
             )
         )
+
+
+# -- compression ---------------------------------------------------------------------
+
+#: The header Kombu's publish sets on a compressed body; a consumer
+#: decompresses by it before deserializing.
+COMPRESSION_HEADER = "compression"
+
+
+def compress_body(body: bytes, method: str) -> tuple[bytes, str]:
+    """``body`` compressed by ``method`` (a :mod:`kombu.compression` name such
+    as ``"zlib"``), with the value of its :data:`COMPRESSION_HEADER`: what
+    ``Producer.publish(compression=method)`` sends. Raises ``KeyError`` for
+    a method Kombu does not know."""
+    compressed, content_type = kombu.compression.compress(body, method)
+    return compressed, content_type
+
+
+# -- Celery's publish signals --------------------------------------------------------
+
+before_task_publish = signals.before_task_publish
+after_task_publish = signals.after_task_publish
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Announced:
+    """A message ``before_task_publish`` was sent for: what
+    ``after_task_publish`` is sent with once the message is out, and the
+    context both run in."""
+
+    context: contextvars.Context
+    sender: str
+    body: Any
+    headers: dict[str, Any]
+    exchange: str
+    routing_key: str
+
+
+class PublishSignals:
+    """Celery's ``before_task_publish`` and ``after_task_publish`` for the
+    messages of one publish call, with the arguments ``send_task`` gives
+    them (``celery.app.amqp.AMQP.send_task_message``): the task name as
+    sender, the body as ``(args, kwargs, embed)``, the exchange, routing
+    key, queues to declare, headers, properties and retry policy.
+
+    A receiver may change ``headers`` in place (OpenTelemetry injects
+    ``traceparent``); the dispatchers encode the message from them after
+    :meth:`before`. The body and properties are given for reading only:
+    the stored body is published as it is.
+
+    Each message's two signals run in one copy of the caller's context, so
+    what a receiver attaches to the context for a message (OpenTelemetry's
+    active publish span) is neither the parent of the next message's span
+    nor left behind when ``after_task_publish`` never comes (a failed
+    publish, or a task the receiver does not know).
+    """
+
+    def __init__(
+        self,
+        *,
+        reply_to: str,
+        retry_policy: Mapping[str, Any],
+        accept: frozenset[str] | None,
+    ) -> None:
+        self._reply_to = reply_to
+        self._retry_policy = dict(retry_policy)
+        self._accept = accept
+
+    @staticmethod
+    def connected() -> bool:
+        """Whether any receiver listens to either signal (checked once per
+        publish call: with none, a message costs nothing more)."""
+        return bool(before_task_publish.receivers or after_task_publish.receivers)
+
+    def before(
+        self,
+        *,
+        task: str,
+        task_id: str,
+        body: bytes,
+        content_type: str,
+        content_encoding: str,
+        headers: dict[str, Any],
+        exchange: str,
+        routing_key: str,
+        declare: list[Any] | None,
+        priority: int | None,
+        expiration: float | None,
+    ) -> Announced:
+        """Send ``before_task_publish`` for one message, in a fresh copy of
+        the current context."""
+        properties: dict[str, Any] = {"correlation_id": task_id, "reply_to": self._reply_to}
+        if priority is not None:
+            properties["priority"] = priority
+        if expiration is not None:
+            properties["expiration"] = max(expiration, 0.0)
+        announced = Announced(
+            context=contextvars.copy_context(),
+            sender=task,
+            body=self._decoded(body, content_type, content_encoding, headers),
+            headers=headers,
+            exchange=exchange,
+            routing_key=routing_key,
+        )
+        announced.context.run(
+            before_task_publish.send,
+            sender=task,
+            body=announced.body,
+            exchange=exchange,
+            routing_key=routing_key,
+            declare=declare,
+            headers=headers,
+            properties=properties,
+            retry_policy=dict(self._retry_policy),
+        )
+        return announced
+
+    @staticmethod
+    def after(announced: Announced) -> None:
+        """Send ``after_task_publish`` for a message once it is out, in the
+        context its ``before_task_publish`` ran in."""
+        announced.context.run(
+            after_task_publish.send,
+            sender=announced.sender,
+            body=announced.body,
+            headers=announced.headers,
+            exchange=announced.exchange,
+            routing_key=announced.routing_key,
+        )
+
+    def _decoded(
+        self, body: bytes, content_type: str, content_encoding: str, headers: dict[str, Any]
+    ) -> Any:
+        """The body as ``send_task`` passes it, ``(args, kwargs, embed)``;
+        the stored bytes when it cannot be decoded (a content type outside
+        ``accept_content``)."""
+        if self._accept is None:
+            return body
+        try:
+            method = headers.get(COMPRESSION_HEADER)
+            if method:
+                body = kombu.compression.decompress(body, method)
+            args, kwargs = decode_body(body, content_type, content_encoding, self._accept, "")
+        except Exception:  # a codec raises anything; receivers then get the bytes
+            return body
+        return args, kwargs, dict(EMBED)

@@ -35,6 +35,7 @@ from typing import Any
 import amqp
 import amqp.exceptions
 import redis.exceptions
+from celery.app.defaults import DEFAULTS
 from celery.app.routes import MapRoute
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
@@ -51,10 +52,14 @@ from celery_sched.errors import CelerySchedError, PublishError
 from celery_sched.interfaces import Dispatcher, PublishResult
 from celery_sched.models import Job, accepted_content_types, decode_body
 from celery_sched.protocol import (
+    COMPRESSION_HEADER,
     KEY_HEADER,
+    Announced,
+    PublishSignals,
     RedisEnvelopes,
     TaskDefaults,
     base_headers,
+    compress_body,
     is_expired,
     message_headers,
     send_expires_at,
@@ -201,6 +206,9 @@ class Route:
     priority: int | None
     declare: Queue | Exchange | None
     defaults: TaskDefaults | None = None
+    #: The body's compression (the task's, ``task_routes``' or the app's
+    #: ``task_compression``); None: sent as stored.
+    compression: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -214,6 +222,64 @@ class _Message:
     route: Route
     priority: int | None
     expiration: float | None
+    #: Set once ``before_task_publish`` was sent for it (see _announce).
+    announced: Announced | None = None
+
+
+def _announce(signals: PublishSignals, message: _Message) -> None:
+    """``before_task_publish`` for ``message``, once however often it is
+    retried; a receiver's changes to the headers are in ``message.headers``
+    before any path encodes them."""
+    route = message.route
+    headers = message.headers
+    declare = route.declare
+    message.announced = signals.before(
+        task=headers["task"],
+        task_id=message.task_id,
+        body=message.body,
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        headers=headers,
+        exchange=route.exchange,
+        routing_key=route.routing_key,
+        declare=[declare] if isinstance(declare, Queue) else None,
+        priority=message.priority,
+        expiration=message.expiration,
+    )
+
+
+def _announce_sent(chunk: list[_Message], rejected: dict[uuid.UUID, str]) -> None:
+    """``after_task_publish`` for each message of a chunk the broker took."""
+    after = PublishSignals.after
+    for message in chunk:
+        announced = message.announced
+        if announced is not None and message.job_id not in rejected:
+            after(announced)
+
+
+def _retry_schedule(conf: Any, settings: Settings) -> tuple[int, float, float]:
+    """``(attempts, first delay, longest delay)`` of a publish.
+
+    The settings' ``connect_retries`` and ``retry_backoff`` (delays
+    doubling up to 5 s), unless the app's ``task_publish_retry_policy``
+    differs from Celery's default: then ``max_retries + 1`` attempts (the
+    settings' when ``max_retries`` is None, which Celery reads as forever),
+    the first delay ``interval_start`` (``interval_step`` when that is 0),
+    doubling up to ``interval_max``; missing keys take Celery's defaults.
+    ``task_publish_retry = False`` makes one attempt.
+    """
+    if not conf.task_publish_retry:
+        return 1, 0.0, 0.0
+    policy = conf.task_publish_retry_policy
+    default = DEFAULTS["task_publish_retry_policy"]
+    if not policy or policy == default:
+        return settings.connect_retries, settings.retry_backoff, 5.0
+    merged = {**default, **policy}
+    max_retries = merged["max_retries"]
+    attempts = settings.connect_retries if max_retries is None else int(max_retries) + 1
+    longest = max(float(merged["interval_max"]), 0.0)
+    first = float(merged["interval_start"]) or float(merged["interval_step"])
+    return max(attempts, 1), min(max(first, 0.0), longest), longest
 
 
 def _amqp_wire(
@@ -268,6 +334,9 @@ class KombuDispatcher(Dispatcher):
         self._sleep = sleep
         conf = app.conf
         self._send_sent_event = bool(conf.task_send_sent_event)
+        self._compression: str | None = conf.task_compression or None
+        self._retry_policy: dict[str, Any] = dict(conf.task_publish_retry_policy or {})
+        self._attempts, self._backoff, self._max_delay = _retry_schedule(conf, settings)
         self._default_delivery_mode = conf.task_default_delivery_mode
         self._default_priority: int | None = conf.task_default_priority
         # Like ``send_task``: results of a scheduled job, if any consumer
@@ -316,18 +385,21 @@ class KombuDispatcher(Dispatcher):
         rejected: dict[uuid.UUID, str] = {}
         todo = self._prepare(jobs, epoch=epoch, now=now, rejected=rejected, expired=expired)
         allowed = may_publish or _always
+        # Once per call: with no receiver, no message pays for the signals.
+        signals = self._signals() if todo and PublishSignals.connected() else None
         while todo:
             try:
                 call_with_retry(
-                    lambda: self._send(todo, sent, rejected, allowed),
+                    lambda: self._send(todo, sent, rejected, allowed, signals),
                     transient=TRANSIENT_ERRORS,
                     translate=lambda exc: PublishError(
                         f"publishing to {self._url} failed: {type(exc).__name__}: {exc}"
                     ),
                     what="publish",
                     url=self._url,
-                    attempts=self._settings.connect_retries,
-                    backoff=self._settings.retry_backoff,
+                    attempts=self._attempts,
+                    backoff=self._backoff,
+                    max_delay=self._max_delay,
                     sleep=self._sleep,
                 )
             except _DestinationFailed as exc:
@@ -359,6 +431,17 @@ class KombuDispatcher(Dispatcher):
 
     def close(self) -> None:
         self._reset()
+
+    def _signals(self) -> PublishSignals:
+        accept = self._accept
+        if accept is None:
+            try:
+                accept = self._accept = accepted_content_types(self._app.conf.accept_content)
+            except CelerySchedError:
+                accept = None  # the receivers get the stored bytes
+        return PublishSignals(
+            reply_to=self._reply_to, retry_policy=self._retry_policy, accept=accept
+        )
 
     # -- preparing messages (no I/O) ------------------------------------------
 
@@ -408,8 +491,12 @@ class KombuDispatcher(Dispatcher):
             except Exception as exc:
                 raise PublishError(f"cannot route task {job.task!r}: {exc!r}") from exc
         priority = route.priority
-        if options and "priority" in options:
-            priority = options["priority"]
+        compression = route.compression
+        if options:
+            if "priority" in options:
+                priority = options["priority"]
+            if "compression" in options:
+                compression = options["compression"]
         expires_at = job.expires_at
         if expires_at is None and job.schedule_id is not None:
             expires_at = send_expires_at(job, now, route.defaults)
@@ -419,13 +506,20 @@ class KombuDispatcher(Dispatcher):
             # drops the message rather than delivering it late.
             expiration = (expires_at - now).total_seconds()
         task_id = str(job.id)
+        headers = message_headers(
+            base, job, task_id, expires_at=expires_at, defaults=route.defaults
+        )
+        body = job.body
+        if compression:
+            # As Kombu's publish does it, so every path sends the same bytes.
+            body, headers[COMPRESSION_HEADER] = compress_body(body, compression)
         return _Message(
             job.id,
             task_id,
-            job.body,
+            body,
             job.content_type,
             job.content_encoding,
-            message_headers(base, job, task_id, expires_at=expires_at, defaults=route.defaults),
+            headers,
             route,
             priority,
             expiration,
@@ -488,7 +582,7 @@ class KombuDispatcher(Dispatcher):
         options: dict[str, Any] = {}
         task_type = app.tasks.get(task)
         if task_type is not None:
-            for name in ("queue", "exchange", "routing_key", "priority"):
+            for name in ("queue", "exchange", "routing_key", "priority", "compression"):
                 value = getattr(task_type, name, None)
                 if value is not None:
                     options[name] = value
@@ -541,6 +635,7 @@ class KombuDispatcher(Dispatcher):
             priority=priority,
             declare=declare,
             defaults=task_defaults(task_type),
+            compression=route.get("compression") or self._compression,
         )
 
     # -- I/O ------------------------------------------------------------------
@@ -694,6 +789,7 @@ class KombuDispatcher(Dispatcher):
         sent: list[uuid.UUID],
         rejected: dict[uuid.UUID, str],
         allowed: Callable[[], bool],
+        signals: PublishSignals | None = None,
     ) -> None:
         """Publish ``todo``, removing each job from it once it is known to be sent.
 
@@ -713,6 +809,10 @@ class KombuDispatcher(Dispatcher):
         exchange the broker refuses raises :class:`_DestinationFailed` for
         the jobs headed there. Before each chunk ``allowed()`` is asked; on
         ``False`` this returns with the rest left in ``todo``.
+
+        With ``signals``, each message gets ``before_task_publish`` before it
+        is encoded (once, however often it is retried) and
+        ``after_task_publish`` once it counts as sent.
         """
         done = 0
         already_sent = len(sent)
@@ -721,7 +821,7 @@ class KombuDispatcher(Dispatcher):
             producer = self._connect()
             if self._redis_direct(producer, todo):
                 path = PublishPath.REDIS
-                self._send_redis(producer, todo, sent, rejected, allowed)
+                self._send_redis(producer, todo, sent, rejected, allowed, signals=signals)
                 return
             chunk = self._chunk if self._batching else 1
             events = self._events if self._send_sent_event else None
@@ -756,6 +856,8 @@ class KombuDispatcher(Dispatcher):
                         ):
                             self._declare(channel, route, todo, index, check_exchanges)
                         try:
+                            if signals is not None and message.announced is None:
+                                _announce(signals, message)
                             if direct:
                                 # What Kombu's publish sends on py-amqp, byte
                                 # for byte (fast_path checks it per connection).
@@ -808,6 +910,8 @@ class KombuDispatcher(Dispatcher):
                             f"Redis refused a publish batch: {cause}",
                         ) from exc
                     _record_sent(todo[done:end], rejected, sent)
+                    if signals is not None:
+                        _announce_sent(todo[done:end], rejected)
                     done = end
         except TRANSIENT_ERRORS:
             self._reset()
@@ -874,7 +978,9 @@ class KombuDispatcher(Dispatcher):
         sent: list[uuid.UUID],
         rejected: dict[uuid.UUID, str],
         allowed: Callable[[], bool],
-        push: Callable[[Any, dict[str, list[bytes]]], dict[str, str]] = _push_lists,
+        push: Callable[[Any, dict[str, list[bytes]]], dict[str, str]] | None = None,
+        *,
+        signals: PublishSignals | None = None,
     ) -> None:
         """Write each chunk as one pipelined ``LPUSH`` per destination list.
 
@@ -886,8 +992,11 @@ class KombuDispatcher(Dispatcher):
         Multi-value ``LPUSH`` keeps FIFO order: the worker pops from the
         right. Chunk accounting is the same as in :meth:`_send`; a list
         Redis refuses (WRONGTYPE) fails only the jobs written to it.
-        ``push`` writes the lists (the start-up comparison records them).
+        ``push`` writes the lists (the start-up comparison records them;
+        default :func:`_push_lists`).
         """
+        if push is None:
+            push = _push_lists  # looked up per call, so a test can replace it
         channel = producer.channel
         envelope = RedisEnvelopes(self._reply_to).encode
         declared = self._declared
@@ -912,6 +1021,8 @@ class KombuDispatcher(Dispatcher):
                         if entity is not None and entity not in declared:
                             self._declare(channel, route, todo, index)
                         try:
+                            if signals is not None and message.announced is None:
+                                _announce(signals, message)
                             priority = message.priority or 0
                             priority = max(min(int(priority), max_priority), min_priority)
                             payload = envelope(message, priority)
@@ -945,6 +1056,8 @@ class KombuDispatcher(Dispatcher):
                             if why is not None:
                                 rejected[message.job_id] = why
                     _record_sent(todo[done:end], rejected, sent)
+                    if signals is not None:
+                        _announce_sent(todo[done:end], rejected)
                     done = end
         finally:
             del todo[:done]

@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_sched.interfaces import Dispatcher, PublishResult
-from celery_sched.models import Job
+from celery_sched.models import Job, accepted_content_types
 from celery_sched.protocol import (
+    PublishSignals,
     TaskDefaults,
     base_headers,
     is_expired,
@@ -51,6 +52,8 @@ class MemoryDispatcher(Dispatcher):
     options over ``default_queue`` (no ``task_routes``). Given a Celery
     ``app``, the time limits and ``expires`` its tasks declare apply as in
     the real dispatcher (:func:`~celery_sched.protocol.task_defaults`).
+    Celery's ``before_task_publish`` / ``after_task_publish`` are sent for
+    each recorded message, as the real dispatcher sends them.
     Thread-safe, so an engine thread and a test thread may share it.
     """
 
@@ -145,6 +148,7 @@ class MemoryDispatcher(Dispatcher):
             if may_publish is not None and not may_publish():
                 withheld.extend(job.id for job in todo[start:])
                 break
+            recorded: list[PublishedMessage] = []
             with self._lock:
                 for job in chunk:
                     if job.id in self._rejects:
@@ -155,8 +159,14 @@ class MemoryDispatcher(Dispatcher):
                             self._fail_next -= 1
                         failed.append(job.id)
                         continue
-                    self.messages.append(self._message(job, base, epoch, now))
+                    message = self._message(job, base, epoch, now)
+                    self.messages.append(message)
+                    recorded.append(message)
                     sent.append(job.id)
+            if recorded and PublishSignals.connected():
+                # Outside the lock: a receiver may call back into the fake. A
+                # receiver's header change reaches the recorded (same) dict.
+                self._signal(recorded)
         return PublishResult(
             sent=sent, failed=failed, expired=expired, rejected=rejected, withheld=withheld
         )
@@ -187,6 +197,29 @@ class MemoryDispatcher(Dispatcher):
             epoch=epoch,
             expiration=None if expires_at is None else (expires_at - now).total_seconds(),
         )
+
+    def _signal(self, messages: list[PublishedMessage]) -> None:
+        conf = None if self.app is None else self.app.conf
+        signals = PublishSignals(
+            reply_to="",
+            retry_policy=(conf.task_publish_retry_policy if conf is not None else None) or {},
+            accept=accepted_content_types(None if conf is None else conf.accept_content),
+        )
+        for message in messages:
+            announced = signals.before(
+                task=message.task,
+                task_id=str(message.job_id),
+                body=message.body,
+                content_type=message.content_type,
+                content_encoding=message.content_encoding,
+                headers=message.headers,
+                exchange=message.exchange,
+                routing_key=message.routing_key,
+                declare=None,
+                priority=message.priority,
+                expiration=message.expiration,
+            )
+            signals.after(announced)
 
     def _task_defaults(self, task: str) -> TaskDefaults | None:
         if self.app is None:

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 from kombu.serialization import dumps
 
 from celery_sched.dispatch.memory import MemoryDispatcher
@@ -191,6 +191,41 @@ def test_a_jobs_headers_option_adds_headers_and_overrides_none_of_ours(
     assert headers["celery_sched_epoch"] == 3
     assert headers["timelimit"] == [5, None]
     assert headers["ignore_result"] is True
+
+
+def test_publish_signals_fire_per_message_and_a_receivers_headers_are_sent(
+    dispatch: DispatchBackend,
+) -> None:
+    """Celery's before/after_task_publish, as ``send_task`` sends them: once
+    per message, the task name as sender; what a before receiver writes
+    into the headers (OpenTelemetry's ``traceparent``) is delivered."""
+    calls: list[tuple[str, Any, str]] = []
+
+    def before(sender: Any = None, headers: Any = None, **kwargs: Any) -> None:
+        calls.append(("before", sender, headers["id"]))
+        headers["traceparent"] = f"00-{uuid.UUID(headers['id']).hex}-0000000000000001-01"
+
+    def after(sender: Any = None, headers: Any = None, **kwargs: Any) -> None:
+        calls.append(("after", sender, headers["id"]))
+
+    signals.before_task_publish.connect(before, weak=False)
+    signals.after_task_publish.connect(after, weak=False)
+    try:
+        dispatcher = dispatch.dispatcher(chunk=2)
+        jobs = [claimed() for _ in range(3)]
+        result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+    finally:
+        signals.before_task_publish.disconnect(before)
+        signals.after_task_publish.disconnect(after)
+    assert result.sent == ids(jobs)
+    for job in jobs:
+        mine = [(name, sender) for name, sender, task_id in calls if task_id == str(job.id)]
+        assert mine == [("before", TASK), ("after", TASK)]
+    assert len(calls) == 2 * len(jobs)
+    delivered = dispatch.delivered(3)
+    assert [m.headers["traceparent"] for m in delivered] == [
+        f"00-{job.id.hex}-0000000000000001-01" for job in jobs
+    ]
 
 
 def test_the_time_limits_a_task_declares_are_in_the_header_under_the_jobs_own(
