@@ -419,17 +419,15 @@ def requeue_dispatched(t: Tables) -> Update:
     """Requeue up to ``p_limit`` jobs of ``p_shard`` dispatched longer ago
     than their visibility timeout (``default_timeout`` when unset) whose
     task some worker tracks."""
+    stale = _stale_dispatched(t, "stale", _tracked(t))
+    return _requeue(t, stale, "not started within %ss of dispatch", _visibility_timeout(t))
+
+
+def _stale_dispatched(t: Tables, name: str, tracked: ColumnElement[bool]) -> Any:
+    """:func:`_oldest` dispatched jobs past their visibility timeout that pass ``tracked``."""
     c = t.jobs.c
-    timeout = _visibility_timeout(t)
-    stale = _oldest(
-        t,
-        "stale",
-        DISPATCHED,
-        c.dispatched_at < func.now() - seconds(timeout),
-        _tracked(t),
-        by=c.dispatched_at,
-    )
-    return _requeue(t, stale, "not started within %ss of dispatch", timeout)
+    stale_since = func.now() - seconds(_visibility_timeout(t))
+    return _oldest(t, name, DISPATCHED, c.dispatched_at < stale_since, tracked, by=c.dispatched_at)
 
 
 def mark_untracked(t: Tables) -> Update:
@@ -437,15 +435,7 @@ def mark_untracked(t: Tables) -> Update:
     ago than their visibility timeout whose task no worker tracks: nothing
     would report their run, so a requeue could only run them twice."""
     c = t.jobs.c
-    timeout = _visibility_timeout(t)
-    stale = _oldest(
-        t,
-        "untracked",
-        DISPATCHED,
-        c.dispatched_at < func.now() - seconds(timeout),
-        not_(_tracked(t)),
-        by=c.dispatched_at,
-    )
+    stale = _stale_dispatched(t, "untracked", not_(_tracked(t)))
     return (
         update(t.jobs)
         .where(c.id == stale.c.id)
