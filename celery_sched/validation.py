@@ -24,6 +24,8 @@ import zoneinfo
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import kombu.compression
+
 from celery_sched.errors import (
     CelerySchedError,
     ConfigurationError,
@@ -491,6 +493,16 @@ def _check_message_option(name: str, value: Any) -> Any:
     if name == "ignore_result":
         if type(value) is not bool:
             raise InvalidJob(f"option ignore_result must be a bool, got {value!r}")
+        return value
+    if name == "compression":
+        # A name or content type Kombu compresses with ("zlib", "bzip2", ...).
+        try:
+            kombu.compression.get_encoder(value)
+        except (KeyError, TypeError):
+            raise InvalidJob(
+                "option compression must name a compression method Kombu knows "
+                f"(such as 'zlib', 'bzip2' or 'lzma'), got {value!r}"
+            ) from None
         return value
     if name == "headers":
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):

@@ -61,6 +61,7 @@ MESSAGE_OPTIONS = frozenset(
         "time_limit",
         "soft_time_limit",
         "ignore_result",
+        "compression",
     }
 )
 

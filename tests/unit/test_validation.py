@@ -354,6 +354,7 @@ def test_message_options_are_kept(builder: JobBuilder) -> None:
         "time_limit": 30,
         "soft_time_limit": 20.5,
         "ignore_result": True,
+        "compression": "zlib",
     }
     job = build(builder, "tests.add", options=options)
     assert dict(job.options) == {**options, "time_limit": 30.0}
@@ -385,6 +386,8 @@ def test_none_valued_options_are_ignored(builder: JobBuilder) -> None:
         ("soft_time_limit", -5),
         ("time_limit", math.inf),
         ("ignore_result", "yes"),
+        ("compression", "nope"),
+        ("compression", ["zlib"]),
         ("max_attempts", 0),
         ("max_attempts", 2.0),
         ("visibility_timeout", 0),
