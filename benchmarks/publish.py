@@ -7,6 +7,7 @@ The last printed line is one JSON object.
 
     .venv/bin/python benchmarks/publish.py [-n 200000] [--broker redis://127.0.0.1:6379/0]
     .venv/bin/python benchmarks/publish.py --broker amqp://guest:guest@127.0.0.1:5672//
+    .venv/bin/python benchmarks/publish.py --sent-events  # events off vs on, same run
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=5_000, help="send_task sample size")
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--batch", type=int, default=5_000, help="jobs per publish() call")
+    parser.add_argument(
+        "--sent-events",
+        action="store_true",
+        help="also time runs with task_send_sent_event on and report the ratio to off",
+    )
     ns = parser.parse_args()
 
     app = Celery("bench_publish", broker=ns.broker)
@@ -83,10 +89,29 @@ def main() -> None:
     settings = Settings(hostname="celery_sched@bench")
     jobs = make_jobs(ns.n, task, queue, now)
 
-    rates = []
-    cpu_us = []
+    rates: list[float] = []
+    cpu_us: list[float] = []
+    event_rates: list[float] = []
+    event_paths: list[str] = []
     dispatcher = KombuDispatcher(app, settings)
     try:
+        if ns.sent_events:
+            # Off and on alternate, so a busy neighbour weighs on both alike.
+            events_app = Celery("bench_publish_events", broker=ns.broker)
+            events_app.conf.task_send_sent_event = True
+            for _ in range(ns.runs):
+                event_dispatcher = KombuDispatcher(events_app, settings)
+                try:
+                    start = time.perf_counter()
+                    for i in range(0, len(jobs), ns.batch):
+                        result = event_dispatcher.publish(jobs[i : i + ns.batch], epoch=1, now=now)
+                        if result.failed:
+                            raise SystemExit(f"{len(result.failed)} jobs failed to publish")
+                    event_rates.append(ns.n / (time.perf_counter() - start))
+                    event_paths.append(str(event_dispatcher.publish_path))
+                finally:
+                    event_dispatcher.close()
+                purge(app, queue)
         for _ in range(ns.runs):
             start = time.perf_counter()
             cpu_start = time.process_time()
@@ -117,6 +142,15 @@ def main() -> None:
         purge(app, queue, delete=True)
 
     median = statistics.median(rates)
+    extra = {}
+    if ns.sent_events:
+        events_median = statistics.median(event_rates)
+        extra = {
+            "sent_events_runs": [round(r) for r in event_rates],
+            "sent_events_paths": event_paths,
+            "sent_events_jobs_per_s": round(events_median),
+            "sent_events_ratio": round(events_median / median, 2),
+        }
     print(
         json.dumps(
             {
@@ -130,6 +164,7 @@ def main() -> None:
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "send_task_jobs_per_s": round(send_task_rate),
                 "speedup_vs_send_task": round(median / send_task_rate, 1),
+                **extra,
             }
         )
     )

@@ -16,7 +16,10 @@ allows them on a connection only when
 4. sample messages produced by the fast path are what Kombu's own publish
    produces on that very channel: the Redis list and the decoded envelope
    (delivery tag aside: a fresh unique string each), or the AMQP properties
-   byte for byte.
+   byte for byte; with task-sent events on Redis, also the channels and
+   envelope of a sample event (delivery tag aside; the event body, clock and
+   timestamp included, byte for byte) against what Celery's event
+   dispatcher publishes through Kombu.
 
 Otherwise that connection publishes through ``Producer.publish``, with one
 WARNING saying why when 3 or 4 failed. This runs once per connection; the
@@ -37,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import amqp
+from celery.events.event import Event
 
 #: Installed versions the fast paths were checked against: ``(lowest,
 #: first untested)``, compared on the release numbers. A version outside
@@ -127,13 +131,21 @@ def choose(
     reply_to: str,
     redis_fast: Callable[[Sample], tuple[str, bytes]],
     amqp_fast: Callable[[Sample], bytes],
+    sent_event_kombu: Callable[[Sample, Callable[..., dict[str, Any]]], None] | None = None,
+    sent_event_fast: Callable[[Sample, dict[str, Any]], list[tuple[str, bytes]]] | None = None,
 ) -> Choice:
     """The publish path of ``producer``'s connection.
 
     ``redis_eligible`` is False when the dispatcher could not use the Redis
-    path anyway (task-sent events, no batch publishing). ``redis_fast`` and
-    ``amqp_fast`` produce, without I/O, what the fast path would write for a
-    sample: the Redis list and envelope, or the encoded AMQP properties.
+    path anyway (no batch publishing). ``redis_fast`` and ``amqp_fast``
+    produce, without I/O, what the fast path would write for a sample: the
+    Redis list and envelope, or the encoded AMQP properties.
+
+    With task-sent events on (Redis only): ``sent_event_kombu(sample,
+    factory)`` publishes the sample's event through Celery's event
+    dispatcher with ``factory`` as its ``Event``; ``sent_event_fast(sample,
+    event)`` gives the ``(channel, payload)`` pairs the fast path would
+    ``PUBLISH`` for it, with the clock and timestamp of Kombu's ``event``.
     """
     if mode == OFF:
         return Choice(path=PublishPath.KOMBU, reason="celery_sched_fast_publish is off")
@@ -166,6 +178,15 @@ def choose(
                     reason=f"a sample message differs from Kombu's: {mismatch}",
                     warn=True,
                 )
+            if path is PublishPath.REDIS and sent_event_kombu and sent_event_fast:
+                theirs, event = _kombu_redis_event(producer, sample, sent_event_kombu)
+                mismatch = _compare_published(sent_event_fast(sample, event), theirs)
+                if mismatch:
+                    return Choice(
+                        path=PublishPath.KOMBU,
+                        reason=f"a sample task-sent event differs from Kombu's: {mismatch}",
+                        warn=True,
+                    )
     except Exception as exc:
         return Choice(
             path=PublishPath.KOMBU,
@@ -199,20 +220,21 @@ class _RecordingRedis:
 
     def __init__(self) -> None:
         self.pushed: list[tuple[str, bytes]] = []
+        self.published: list[tuple[str, bytes]] = []
 
     def lpush(self, key: str, *values: Any) -> int:
         for value in values:
             self.pushed.append((key, value.encode() if isinstance(value, str) else value))
         return len(self.pushed)
 
+    def publish(self, channel: str, value: Any) -> int:
+        self.published.append((channel, value.encode() if isinstance(value, str) else value))
+        return 0
 
-def _kombu_redis_write(producer: Any, sample: Sample, reply_to: str) -> tuple[str, bytes]:
-    """The list and envelope Kombu's Redis channel writes for ``sample``.
 
-    Kombu's whole publish runs (``prepare_message``, ``basic_publish``,
-    ``_put`` with its priority and serialization); only the client it
-    writes through is a recorder, so nothing reaches Redis.
-    """
+@contextlib.contextmanager
+def _recording(producer: Any) -> Iterator[_RecordingRedis]:
+    """Kombu's Redis channel writing to a recorder instead of Redis."""
     channel = producer.channel
     recorder = _RecordingRedis()
 
@@ -222,12 +244,45 @@ def _kombu_redis_write(producer: Any, sample: Sample, reply_to: str) -> tuple[st
 
     channel.conn_or_acquire = conn_or_acquire
     try:
-        producer.publish(sample.body, **_publish_kwargs(sample, reply_to))
+        yield recorder
     finally:
         del channel.conn_or_acquire
-    if len(recorder.pushed) != 1:
+
+
+def _kombu_redis_write(producer: Any, sample: Sample, reply_to: str) -> tuple[str, bytes]:
+    """The list and envelope Kombu's Redis channel writes for ``sample``.
+
+    Kombu's whole publish runs (``prepare_message``, ``basic_publish``,
+    ``_put`` with its priority and serialization); only the client it
+    writes through is a recorder, so nothing reaches Redis.
+    """
+    with _recording(producer) as recorder:
+        producer.publish(sample.body, **_publish_kwargs(sample, reply_to))
+    if len(recorder.pushed) != 1 or recorder.published:
         raise RuntimeError(f"Kombu wrote {len(recorder.pushed)} values for one message")
     return recorder.pushed[0]
+
+
+def _kombu_redis_event(
+    producer: Any, sample: Sample, publish: Callable[[Sample, Callable[..., dict[str, Any]]], None]
+) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+    """The ``(channel, payload)`` pairs Kombu's Redis channel publishes for
+    the sample's task-sent event, and the event Celery built for it."""
+    built: list[dict[str, Any]] = []
+
+    def factory(type: str, **fields: Any) -> dict[str, Any]:
+        event: dict[str, Any] = Event(type, **fields)
+        built.append(event)
+        return event
+
+    with _recording(producer) as recorder:
+        publish(sample, factory)
+    if len(built) != 1 or not recorder.published or recorder.pushed:
+        raise RuntimeError(
+            f"Kombu published {len(recorder.published)} and pushed {len(recorder.pushed)} "
+            f"values for {len(built)} events"
+        )
+    return recorder.published, built[0]
 
 
 def _kombu_amqp_properties(producer: Any, sample: Sample, reply_to: str) -> bytes:
@@ -264,6 +319,16 @@ def _compare_redis(ours: tuple[str, bytes], theirs: tuple[str, bytes]) -> str:
     if not all(isinstance(tag, str) for tag in tags):
         return f"delivery tags {tags[0]!r} and {tags[1]!r}"
     return _first_difference(mine, kombus, "envelope")
+
+
+def _compare_published(ours: list[tuple[str, bytes]], theirs: list[tuple[str, bytes]]) -> str:
+    if [topic for topic, _ in ours] != [topic for topic, _ in theirs]:
+        return f"channels {[t for t, _ in ours]!r} instead of {[t for t, _ in theirs]!r}"
+    for mine, kombus in zip(ours, theirs, strict=True):
+        mismatch = _compare_redis(mine, kombus)
+        if mismatch:
+            return mismatch
+    return ""
 
 
 def _first_difference(mine: Any, kombus: Any, where: str) -> str:

@@ -37,6 +37,8 @@ import amqp.exceptions
 import redis.exceptions
 from celery.app.defaults import DEFAULTS
 from celery.app.routes import MapRoute
+from celery.events.event import Event
+from celery.utils.time import utcoffset
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
 from kombu.entity import maybe_delivery_mode
@@ -48,6 +50,7 @@ from kombu.exceptions import (  # type: ignore[attr-defined]  # missing from kom
 from celery_sched.dispatch import fast_path
 from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder
 from celery_sched.dispatch.fast_path import PublishPath, Sample
+from celery_sched.dispatch.sent_events import SentEvents, sent_fields
 from celery_sched.errors import CelerySchedError, PublishError
 from celery_sched.interfaces import Dispatcher, PublishResult
 from celery_sched.models import Job, accepted_content_types, decode_body
@@ -129,8 +132,13 @@ def _always() -> bool:
     return True
 
 
-def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
-    """``LPUSH key *payloads`` for each list: one write, one round trip.
+def _push_lists(
+    client: Any,
+    lists: dict[str, list[bytes]],
+    published: Sequence[tuple[str, bytes]] = (),
+) -> dict[str, str]:
+    """``LPUSH key *payloads`` for each list, then ``PUBLISH channel payload``
+    for each of ``published`` (task-sent events): one write, one round trip.
 
     The commands are packed here: for hundreds of kilobyte-sized values a
     plain join is about ten times faster than redis-py's hiredis packer,
@@ -141,7 +149,9 @@ def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
     (WRONGTYPE: the queue name is a key of another type) is returned as
     ``{list: why}`` and the other lists count as written. An error about
     the server (READONLY, LOADING, ...) or any other failure is raised, the
-    connection dropped so no unread reply is left on it.
+    connection dropped so no unread reply is left on it. An error reply to
+    a ``PUBLISH`` that is not about the server loses that event only: it is
+    logged, and the messages count as written.
     """
     prefix = getattr(client, "global_keyprefix", None) or ""
     parts: list[bytes] = []
@@ -153,6 +163,12 @@ def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
             append(b"$%d\r\n" % len(payload))
             append(payload)
             append(b"\r\n")
+    for topic, payload in published:
+        # Kombu's prefixed client prefixes PUBLISH channels too.
+        name = (prefix + topic).encode()
+        append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, len(payload)))
+        append(payload)
+        append(b"\r\n")
     pool = client.connection_pool
     conn = pool.get_connection()
     refused: dict[str, str] = {}
@@ -168,6 +184,15 @@ def _push_lists(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
                     raise _ServerBusy(str(exc)) from exc
                 # The whole reply was read: the connection stays in step.
                 refused[key] = f"Redis refused list {key!r}: {exc}"
+        for topic, _ in published:
+            try:
+                conn.read_response()
+            except redis.exceptions.ResponseError as exc:
+                if _server_wide(exc):
+                    if isinstance(exc, TRANSIENT_ERRORS):
+                        raise
+                    raise _ServerBusy(str(exc)) from exc
+                logger.warning("Redis refused a task-sent event on %r: %s", topic, exc)
     except BaseException:
         conn.disconnect()
         raise
@@ -310,6 +335,14 @@ def _record_sent(
         sent.extend(m.job_id for m in chunk)
 
 
+def _sent_fields(message: _Message) -> dict[str, Any]:
+    """The fields of Celery's own task-sent event for ``message``."""
+    route = message.route
+    return sent_fields(
+        message.task_id, message.headers, route.queue, route.exchange, route.routing_key
+    )
+
+
 class KombuDispatcher(Dispatcher):
     """Publishes jobs to the app's broker as messages a stock worker runs.
 
@@ -353,6 +386,8 @@ class KombuDispatcher(Dispatcher):
         self._connection: Any = None
         self._producer: Any = None
         self._events: Any = None
+        # Task-sent events as the Redis fast path publishes them (events on, Redis).
+        self._sent_events: SentEvents | None = None
         self._declared: set[Queue | Exchange] = set()
         # Exchanges of routes without a queue to declare, checked to exist
         # once per connection (RabbitMQ).
@@ -666,6 +701,8 @@ class KombuDispatcher(Dispatcher):
                     # A failed event must fail the batch, not sit in a buffer.
                     buffer_while_offline=False,
                 )
+                if hasattr(channel, "_get_publish_topics"):  # Kombu's Redis channel
+                    self._sent_events = SentEvents(self._events, channel)
             self._choose_path(self._producer)
             logger.debug("connected to broker %s", self._url)
         return self._producer
@@ -678,7 +715,11 @@ class KombuDispatcher(Dispatcher):
         def redis_fast(sample: Sample) -> tuple[str, bytes]:
             written: list[tuple[str, bytes]] = []
 
-            def push(client: Any, lists: dict[str, list[bytes]]) -> dict[str, str]:
+            def push(
+                client: Any,
+                lists: dict[str, list[bytes]],
+                published: Sequence[tuple[str, bytes]] = (),
+            ) -> dict[str, str]:
                 written.extend(
                     (key, payload) for key, payloads in lists.items() for payload in payloads
                 )
@@ -692,14 +733,34 @@ class KombuDispatcher(Dispatcher):
         def amqp_fast(sample: Sample) -> bytes:
             return _amqp_wire(encode, self._sample_message(sample), default_mode, self._reply_to)
 
+        events, sent_events = self._events, self._sent_events
+
+        def sent_event_kombu(sample: Sample, factory: Callable[..., dict[str, Any]]) -> None:
+            self._send_event(events, producer, self._sample_message(sample), factory)
+
+        def sent_event_fast(sample: Sample, event: dict[str, Any]) -> list[tuple[str, bytes]]:
+            assert sent_events is not None
+            payload = sent_events.encode(
+                self._sample_message(sample),
+                clock=event["clock"],
+                timestamp=event["timestamp"],
+                utcoffset=utcoffset(),
+            )
+            return [(topic, payload) for topic in sent_events.topics]
+
+        with_events = self._send_sent_event
+
         choice = fast_path.choose(
             producer,
             mode=self._settings.fast_publish,
-            redis_eligible=self._batching and not self._send_sent_event,
+            # Task-sent events on the Redis path need our own encoder of them.
+            redis_eligible=self._batching and (not with_events or sent_events is not None),
             samples=self._samples(),
             reply_to=self._reply_to,
             redis_fast=redis_fast,
             amqp_fast=amqp_fast,
+            sent_event_kombu=sent_event_kombu if with_events else None,
+            sent_event_fast=sent_event_fast if with_events else None,
         )
         self._path = self.publish_path = choice.path
         if choice.warn and choice.reason not in self._warned:
@@ -770,6 +831,7 @@ class KombuDispatcher(Dispatcher):
     def _reset(self) -> None:
         producer, connection, events = self._producer, self._connection, self._events
         self._producer = self._connection = self._events = None
+        self._sent_events = None
         self._declared = set()
         self._exchanges_seen = set()
         if events is not None:
@@ -962,8 +1024,8 @@ class KombuDispatcher(Dispatcher):
         """Whether ``todo`` can skip Kombu's per-message publish machinery.
 
         Only where :func:`fast_path.choose` allowed it for the connection
-        (Redis, batch publishing, no task-sent events: those go through the
-        event dispatcher), for messages to the default exchange (the queue
+        (Redis, batch publishing, task-sent events as Kombu would publish
+        them), for messages to the default exchange (the queue
         is the Redis list), without queue expiry.
         """
         if self._path is not PublishPath.REDIS:
@@ -978,7 +1040,7 @@ class KombuDispatcher(Dispatcher):
         sent: list[uuid.UUID],
         rejected: dict[uuid.UUID, str],
         allowed: Callable[[], bool],
-        push: Callable[[Any, dict[str, list[bytes]]], dict[str, str]] | None = None,
+        push: Callable[..., dict[str, str]] | None = None,
         *,
         signals: PublishSignals | None = None,
     ) -> None:
@@ -994,6 +1056,10 @@ class KombuDispatcher(Dispatcher):
         Redis refuses (WRONGTYPE) fails only the jobs written to it.
         ``push`` writes the lists (the start-up comparison records them;
         default :func:`_push_lists`).
+
+        With task-sent events on, each message's event (:class:`SentEvents`)
+        is ``PUBLISH``ed in the same round trip, after the chunk's
+        ``LPUSH``es: an event never announces a message not yet written.
         """
         if push is None:
             push = _push_lists  # looked up per call, so a test can replace it
@@ -1003,6 +1069,13 @@ class KombuDispatcher(Dispatcher):
         min_priority, max_priority = channel.min_priority, channel.max_priority
         q_for_pri = channel._q_for_pri
         keys: dict[tuple[str, int], str] = {}
+        sent_events = self._sent_events if self._send_sent_event else None
+        if sent_events is not None:
+            encode_event = sent_events.encode
+            topics = sent_events.topics
+            forward = sent_events.clock.forward
+        published: list[tuple[str, bytes]] = []
+        offset = 0.0
         done = 0
         total = len(todo)
         try:
@@ -1012,6 +1085,9 @@ class KombuDispatcher(Dispatcher):
                         return
                     end = min(done + self._chunk, total)
                     lists: dict[str, list[bytes]] = {}
+                    if sent_events is not None:
+                        published = []
+                        offset = utcoffset()
                     for index in range(done, end):
                         message = todo[index]
                         if rejected and message.job_id in rejected:
@@ -1026,6 +1102,14 @@ class KombuDispatcher(Dispatcher):
                             priority = message.priority or 0
                             priority = max(min(int(priority), max_priority), min_priority)
                             payload = envelope(message, priority)
+                            if sent_events is not None:
+                                event = encode_event(
+                                    message,
+                                    clock=forward(),
+                                    timestamp=time.time(),
+                                    utcoffset=offset,
+                                )
+                                published.extend((topic, event) for topic in topics)
                         except (TypeError, ValueError) as exc:
                             logger.exception(
                                 "cannot encode job %s (task %s)",
@@ -1043,7 +1127,10 @@ class KombuDispatcher(Dispatcher):
                             lists[key] = [payload]
                         else:
                             payloads.append(payload)
-                    refused = push(client, lists) if lists else {}
+                    if published:
+                        refused = push(client, lists, published)
+                    else:
+                        refused = push(client, lists) if lists else {}
                     if refused:
                         # Rare: attribute each job of the chunk to its list.
                         for index in range(done, end):
@@ -1062,26 +1149,7 @@ class KombuDispatcher(Dispatcher):
         finally:
             del todo[:done]
 
-    def _send_event(self, events: Any, producer: Any, message: _Message) -> None:
-        headers = message.headers
-        route = message.route
-        # The fields of Celery's own task-sent event; the event's hostname
-        # (ours) is what Flower shows as the task's client.
-        events.publish(
-            "task-sent",
-            {
-                "uuid": message.task_id,
-                "root_id": message.task_id,
-                "parent_id": None,
-                "name": headers["task"],
-                "args": headers["argsrepr"],
-                "kwargs": headers["kwargsrepr"],
-                "retries": 0,
-                "eta": None,
-                "expires": headers["expires"],
-                "queue": route.queue,
-                "exchange": route.exchange,
-                "routing_key": route.routing_key,
-            },
-            producer,
-        )
+    def _send_event(
+        self, events: Any, producer: Any, message: _Message, event: Callable[..., Any] = Event
+    ) -> None:
+        events.publish("task-sent", _sent_fields(message), producer, Event=event)

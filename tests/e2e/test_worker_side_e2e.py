@@ -312,6 +312,9 @@ def test_the_reconcile_command_requeues_a_job_whose_message_was_lost(
     finally:
         publisher.close()
     assert cluster.purge() == 1
+    # The task's workers track their jobs (their heartbeat lists it); no worker
+    # is running now, so the lost message is the reconciler's to re-send.
+    cluster.store.heartbeat("worker@gone", 4242, tasks=["tasks.effect"])
     result = cluster.sched("reconcile")
     assert result.returncode == 0, result.stderr
     assert f"Shard 0 (epoch {epoch}): requeued 0 job(s)" in result.stdout  # not stale yet
