@@ -552,6 +552,37 @@ def _dumps(value: Any) -> bytes:
         return json.dumps(value).encode()
 
 
+def envelope_json(value: Any) -> bytes:
+    """JSON of one part of a Redis message envelope (see :func:`_dumps`)."""
+    return _dumps(value)
+
+
+def envelope_head(content_encoding: str, content_type: str) -> bytes:
+    """The part of a Redis envelope after its base64 body that names the
+    body's encoding and type (open: the caller closes the body's string)."""
+    return b"".join(
+        (
+            b'","content-encoding":',
+            _dumps(content_encoding),
+            b',"content-type":',
+            _dumps(content_type),
+        )
+    )
+
+
+class DeliveryTags:
+    """Delivery tags for Redis envelopes. Kombu tags each message with a
+    fresh uuid4; any string unique across publishers works, and a random
+    per-publisher prefix plus a counter costs a fraction of a uuid4."""
+
+    def __init__(self) -> None:
+        self._template = uuid.uuid4().hex.encode() + b"-%d"
+        self._counter = itertools.count()
+
+    def next(self) -> bytes:
+        return self._template % next(self._counter)
+
+
 class RedisEnvelopes:
     """The JSON envelopes of one publish call, as Kombu's Redis transport writes them.
 
@@ -564,11 +595,7 @@ class RedisEnvelopes:
 
     def __init__(self, reply_to: str) -> None:
         self._reply_to = _dumps(reply_to)
-        # Kombu tags each message with a fresh uuid4; any string unique
-        # across publishers works, and a random per-call prefix plus a
-        # counter costs a fraction of a uuid4 per message.
-        self._tag = uuid.uuid4().hex.encode() + b"-%d"
-        self._tags = itertools.count()
+        self._tags = DeliveryTags()
         self._heads: dict[tuple[str, str], bytes] = {}
         self._properties: dict[tuple[int, int], bytes] = {}
 
@@ -576,14 +603,8 @@ class RedisEnvelopes:
         head_key = (message.content_encoding, message.content_type)
         head = self._heads.get(head_key)
         if head is None:
-            head = self._heads[head_key] = b"".join(
-                (
-                    b'","content-encoding":',
-                    _dumps(message.content_encoding),
-                    b',"content-type":',
-                    _dumps(message.content_type),
-                    b',"headers":',
-                )
+            head = self._heads[head_key] = (
+                envelope_head(message.content_encoding, message.content_type) + b',"headers":'
             )
         route = message.route
         # Routes are cached by the dispatcher and outlive this call.
@@ -617,7 +638,7 @@ class RedisEnvelopes:
                 _dumps(message.task_id),
                 expiration,
                 b',"delivery_tag":"',
-                self._tag % next(self._tags),
+                self._tags.next(),
                 b'"}}',
             )
         )

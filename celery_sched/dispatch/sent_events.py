@@ -11,13 +11,13 @@ own at start-up and falls back to Kombu's publish when they differ.
 from __future__ import annotations
 
 import base64
-import itertools
 import json
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kombu.serialization import dumps as serialize
+
+from celery_sched.protocol import DeliveryTags, envelope_head, envelope_json
 
 
 def sent_fields(
@@ -40,10 +40,6 @@ def sent_fields(
         "exchange": exchange,
         "routing_key": routing_key,
     }
-
-
-def _json(value: Any) -> bytes:
-    return json.dumps(value).encode()
 
 
 def _json_value(value: Any) -> str:
@@ -76,19 +72,18 @@ class SentEvents:
         self._hostname_json = _json_value(self._hostname)
         exchange = events.exchange.name
         self.topics: list[str] = list(channel._get_publish_topics(exchange, self.ROUTING_KEY))
-        self._tag = uuid.uuid4().hex.encode() + b"-%d"
-        self._tags = itertools.count()
+        self._tags = DeliveryTags()
         self._head: dict[tuple[str, str], bytes] = {}
         self._properties = b"".join(
             (
                 b',"headers":',
-                _json(events.headers),
+                envelope_json(events.headers),
                 b',"properties":{"delivery_mode":',
-                _json(events.delivery_mode),
+                envelope_json(events.delivery_mode),
                 b',"delivery_info":',
-                _json({"exchange": exchange, "routing_key": self.ROUTING_KEY}),
+                envelope_json({"exchange": exchange, "routing_key": self.ROUTING_KEY}),
                 b',"priority":',
-                _json(channel.default_priority),
+                envelope_json(channel.default_priority),
                 b',"body_encoding":"base64","delivery_tag":"',
             )
         )
@@ -150,21 +145,14 @@ class SentEvents:
         head_key = (content_type, content_encoding)
         head = self._head.get(head_key)
         if head is None:
-            head = self._head[head_key] = b"".join(
-                (
-                    b'","content-encoding":',
-                    _json(content_encoding),
-                    b',"content-type":',
-                    _json(content_type),
-                )
-            )
+            head = self._head[head_key] = envelope_head(content_encoding, content_type)
         return b"".join(
             (
                 b'{"body":"',
                 base64.b64encode(body),
                 head,
                 self._properties,
-                self._tag % next(self._tags),
+                self._tags.next(),
                 b'"}}',
             )
         )
