@@ -212,6 +212,19 @@ class Jobs(StoreLifecycle):
         """
 
     @abc.abstractmethod
+    def mark_missed(
+        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> list[uuid.UUID]:
+        """dispatched -> missed: ``(id, why)`` pairs of occurrences the misfire
+        policy drops at their first dispatch.
+
+        Fenced like :meth:`release`, and only jobs never sent before
+        (``attempt`` 0) move: a requeued job follows ``max_attempts``.
+        ``finished_at`` is set and ``last_error`` says why. Returns the ids
+        that moved (the caller publishes the others).
+        """
+
+    @abc.abstractmethod
     def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
         """Unfinished jobs (pending, dispatched, running, retrying) in shards
         ``>= from_shard``: per shard, the count per status (shards and
@@ -361,6 +374,10 @@ class ScheduleStore(StoreLifecycle):
     @abc.abstractmethod
     def get_schedule(self, name: str) -> StoredSchedule | None:
         """The schedule called ``name``, or ``None``."""
+
+    @abc.abstractmethod
+    def schedules_by_id(self, schedule_ids: Sequence[int]) -> dict[int, StoredSchedule]:
+        """The schedules among ``schedule_ids`` that exist, by id. Read-only."""
 
     @abc.abstractmethod
     def list_schedules(

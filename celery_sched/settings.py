@@ -115,7 +115,9 @@ class Settings:
         "Default misfire policy of periodic schedules: `skip`, `once` (beat's behaviour) or `all`.",
     )
     misfire_grace: float = _field(
-        5.0, "Seconds late an occurrence may be planned and still count as on time, not missed."
+        5.0,
+        "Seconds late an occurrence may be planned, or first sent, and still count as on time, "
+        "not missed.",
     )
     catchup_window: float = _field(
         3600.0, "With misfire `all`: missed occurrences older than this many seconds are not run."

@@ -11,6 +11,8 @@ One module per duty, each with its interval and what its failure does:
   Postgres (the fallback path, and backlogs).
 - :mod:`~celery_sched.leader.publishing`: publishing a claimed batch and
   settling what did not go out (shared by the two above).
+- :mod:`~celery_sched.leader.misfire`: late occurrences the misfire policy
+  drops at their first dispatch (asked by the publisher).
 - :mod:`~celery_sched.leader.planning`: driving the periodic-schedule planner.
 - :mod:`~celery_sched.leader.reconciler`: requeuing dispatched jobs no worker
   started (also ``celery -A proj sched reconcile``).

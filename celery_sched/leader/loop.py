@@ -38,6 +38,7 @@ from celery_sched.errors import CelerySchedError, StagingUnavailable, StaleEpoch
 from celery_sched.leader.claiming import Claimer
 from celery_sched.leader.clock import StoreClock
 from celery_sched.leader.housekeeping import Housekeeper
+from celery_sched.leader.misfire import LateOccurrences
 from celery_sched.leader.planning import Planning
 from celery_sched.leader.publishing import Publisher
 from celery_sched.leader.reconciler import Reconciler
@@ -45,6 +46,7 @@ from celery_sched.leader.rescuer import Rescuer
 from celery_sched.leader.staging import Stager
 from celery_sched.leader.stats import EngineStats
 from celery_sched.leader.sweeping import Sweeper
+from celery_sched.schedules.rows import spec_of
 from celery_sched.timeutil import UTC
 
 if TYPE_CHECKING:
@@ -109,6 +111,12 @@ class Engine:
             store_clock=self._store_clock,
             stats=stats,
             shard=self.shard,
+            late=LateOccurrences(
+                store=store,
+                settings=settings,
+                stats=stats,
+                spec_for=spec_of if planner is None else planner.spec_for,
+            ),
         )
         self._stager = Stager(
             store=store,

@@ -291,7 +291,7 @@ class Planner:
             "custom schedule %r is left for a beat whose code has it: %s", row.name, exc.reason
         )
 
-    def _spec(self, row: StoredSchedule) -> ScheduleSpec:
+    def spec_for(self, row: StoredSchedule) -> ScheduleSpec:
         """The spec to plan ``row`` by: the stored one, or for a custom
         schedule the code's, whose definition carries the object."""
         spec = spec_of(row)
@@ -315,7 +315,7 @@ class Planner:
         occurrences it skipped."""
         assert row.next_nominal_at is not None
         s = self.settings
-        spec = self._spec(row)
+        spec = self.spec_for(row)
         cursor = row.last_nominal_at
         if cursor is None and spec.kind != "custom":
             cursor = cursor_before(spec, row.next_nominal_at)

@@ -6,6 +6,8 @@ the rows ``dispatched`` for the reconciler, never lost.
 
 What happens to a batch's jobs:
 
+- late occurrences the misfire policy drops: ``missed``, never sent
+  (:mod:`celery_sched.leader.misfire`);
 - sent: stay ``dispatched`` until a worker reports them;
 - expired before they were due: ``expired``, with the reason;
 - rejected (unroutable, unencodable, their queue refused): each fails alone,
@@ -34,6 +36,7 @@ from celery_sched.errors import PublishError, StoreError
 if TYPE_CHECKING:
     from celery_sched.interfaces import Dispatcher, JobStore
     from celery_sched.leader.clock import StoreClock
+    from celery_sched.leader.misfire import LateOccurrences
     from celery_sched.leader.stats import EngineStats
     from celery_sched.lease.elector import LeaderElector
     from celery_sched.models import Job
@@ -53,6 +56,7 @@ class Publisher:
         store_clock: StoreClock,
         stats: EngineStats,
         shard: int,
+        late: LateOccurrences,
     ) -> None:
         self._store = store
         self._dispatcher = dispatcher
@@ -60,6 +64,7 @@ class Publisher:
         self._store_clock = store_clock
         self._stats = stats
         self._shard = shard
+        self._late = late
 
     def holds(self, epoch: int) -> bool:
         """Whether the lease of ``epoch`` is still locally valid (no I/O)."""
@@ -75,11 +80,13 @@ class Publisher:
         if not jobs:
             return
         self._stats.claims += 1
+        now = self._store_clock.now()
+        jobs = self._late.drop_missed(jobs, epoch, now)
         # A leader paused between claim and publish for longer than its
         # lease must not publish: a successor may have requeued and sent
         # these jobs already. Checked before every chunk.
         result = self._dispatcher.publish(
-            jobs, epoch=epoch, now=self._store_clock.now(), may_publish=lambda: self.holds(epoch)
+            jobs, epoch=epoch, now=now, may_publish=lambda: self.holds(epoch)
         )
         # (Should publish itself raise, which jobs went out is unknown: they
         # stay dispatched, and the reconciler requeues them with an attempt

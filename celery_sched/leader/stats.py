@@ -33,6 +33,8 @@ class EngineStats:
     pruned_workers: int = 0
     #: Jobs whose own message could not be published (each counted an attempt).
     rejected: int = 0
+    #: Late occurrences the misfire policy dropped at their first dispatch.
+    missed: int = 0
     #: Jobs left dispatched because the lease ran out while publishing.
     withheld: int = 0
     #: Failed duties by name (``stage``, ``pop``, ``sweep``, ...): ``errors`` split up.

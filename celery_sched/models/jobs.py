@@ -32,6 +32,12 @@ class JobStatus(enum.StrEnum):
     #: nothing reports whether it ran and it is not sent again (stock beat's
     #: at-most-once). Set by the reconciler a visibility timeout after dispatch.
     SENT = "sent"
+    #: An occurrence of a schedule that its misfire policy dropped at its
+    #: first dispatch: it was late by more than ``celery_sched_misfire_grace``
+    #: and ``skip``, ``once`` (a later occurrence was missed too) or ``all``
+    #: (outside the catch-up window or past ``max_catchup``) says it does not
+    #: run. Never sent; finished and prunable.
+    MISSED = "missed"
 
     @property
     def finished(self) -> bool:
@@ -46,6 +52,7 @@ FINISHED_STATUSES = frozenset(
         JobStatus.CANCELLED,
         JobStatus.EXPIRED,
         JobStatus.SENT,
+        JobStatus.MISSED,
     }
 )
 

@@ -30,9 +30,10 @@ class ClaimOutcome(enum.StrEnum):
 
 
 #: Job statuses whose deliveries a worker does not run: the job was
-#: cancelled, given up on, expired, or already succeeded.
+#: cancelled, given up on, expired, dropped by its misfire policy, or
+#: already succeeded.
 FENCED_STATUSES = frozenset(
-    {JobStatus.CANCELLED, JobStatus.DEAD, JobStatus.EXPIRED, JobStatus.SUCCEEDED}
+    {JobStatus.CANCELLED, JobStatus.DEAD, JobStatus.EXPIRED, JobStatus.MISSED, JobStatus.SUCCEEDED}
 )
 
 

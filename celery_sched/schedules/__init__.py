@@ -33,7 +33,8 @@ One module per concern:
 - :mod:`~celery_sched.schedules.evaluate`: the first and next instant of a
   spec, whatever its kind.
 - :mod:`~celery_sched.schedules.misfire`: **misfire** policies decide what
-  happens to occurrences missed while no planner ran (:func:`plan`).
+  happens to occurrences missed while no planner ran (:func:`plan`), and
+  to those planned ahead that a leader sends late (:func:`kept_late`).
 - :mod:`~celery_sched.schedules.rows`: schedules as stored rows, and the
   job of one occurrence.
 """
@@ -43,7 +44,7 @@ from __future__ import annotations
 from celery_sched.schedules.clocked_time import clocked
 from celery_sched.schedules.cron import CRON_FIELDS
 from celery_sched.schedules.evaluate import first_after, next_after
-from celery_sched.schedules.misfire import Plan, plan
+from celery_sched.schedules.misfire import Plan, kept_late, plan
 from celery_sched.schedules.rows import MAX_NAME_LENGTH, occurrence_key
 from celery_sched.schedules.spec import (
     ENTRY_KEYS,
@@ -62,6 +63,7 @@ __all__ = [
     "SpecBuilder",
     "clocked",
     "first_after",
+    "kept_late",
     "make_spec",
     "next_after",
     "occurrence_key",

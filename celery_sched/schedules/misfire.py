@@ -1,13 +1,17 @@
 """Misfire: which occurrences of a schedule to materialize now, and what
-happens to those missed while no planner ran (:func:`plan`)."""
+happens to those missed while no planner ran (:func:`plan`); and which of
+those materialized ahead of time still run when a leader sends them late
+(:func:`kept_late`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Sequence
 
 from celery_sched.models import MisfirePolicy, ScheduleSpec
 from celery_sched.schedules.evaluate import compile_spec, utc_argument
+from celery_sched.schedules.rows import cursor_before
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,3 +120,55 @@ def plan(
         future += 1
         upcoming = compiled.next_after(upcoming)
     return Plan(occurrences=occurrences, skipped=skipped, cursor=cursor, next_nominal=upcoming)
+
+
+def kept_late(
+    spec: ScheduleSpec,
+    late: Sequence[dt.datetime],
+    *,
+    now: dt.datetime,
+    default_misfire: MisfirePolicy | str,
+    catchup_window: float,
+    max_catchup: int,
+    grace: float,
+) -> set[dt.datetime]:
+    """Which of the occurrences ``late`` of ``spec``, about to be sent for the
+    first time at ``now``, the misfire policy still runs.
+
+    The same rule as :func:`plan`, applied when an occurrence that was
+    materialized ahead of time is dispatched instead of when it is planned:
+    an occurrence is *missed* when its nominal instant is before ``now -
+    grace`` (those in ``late`` that are not are kept). Among the missed ones,
+    judged against every instant of the schedule, not only those in
+    ``late``: ``skip`` keeps none; ``once`` keeps the latest instant missed,
+    if it is in ``late``; ``all`` keeps the latest ``max_catchup`` instants
+    missed within ``catchup_window`` seconds of ``now``. So after a gap of
+    any length one schedule runs its missed occurrences as the policy says,
+    however many were materialized and in whichever batches they come.
+    """
+    now = utc_argument(now, "now")
+    cutoff = now - dt.timedelta(seconds=grace)
+    missed = sorted(nominal for nominal in set(late) if nominal < cutoff)
+    kept = {nominal for nominal in late if nominal >= cutoff}
+    if not missed:
+        return kept
+    policy = spec.misfire or MisfirePolicy(default_misfire)
+    if policy is MisfirePolicy.SKIP:
+        return kept
+    window = catchup_window if spec.catchup_window is None else spec.catchup_window
+    most = max_catchup if spec.max_catchup is None else spec.max_catchup
+    compiled = compile_spec(spec)
+    # A cursor whose next instant is the earliest missed one: intervals step
+    # from their cursor, so it must lie exactly one step before.
+    cursor = cursor_before(spec, missed[0])
+    if policy is MisfirePolicy.ONCE:
+        latest = compiled.latest(cursor, None, cutoff, 1)
+    elif most > 0 and window >= 0:
+        try:
+            floor: dt.datetime | None = now - dt.timedelta(seconds=window)
+        except OverflowError:  # an unbounded window
+            floor = None
+        latest = compiled.latest(cursor, floor, cutoff, most)
+    else:
+        latest = []
+    return kept | (set(latest) & set(missed))

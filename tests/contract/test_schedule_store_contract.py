@@ -89,6 +89,9 @@ def test_add_get_list_and_count(store: JobStore) -> None:
     assert [s.name for s in store.list_schedules()] == ["a", "b", "c"]
     assert [s.name for s in store.list_schedules(after="a", limit=1)] == ["b"]
     assert store.count_schedules() == {"active": 3}
+    by_id = store.schedules_by_id([row.id, stored(store, "c").id, row.id, 10**9])
+    assert {s.name for s in by_id.values()} == {"a", "c"} and by_id[row.id] == row
+    assert store.schedules_by_id([]) == {}
 
 
 def test_a_taken_name_writes_nothing(store: JobStore) -> None:
@@ -214,6 +217,18 @@ def test_busy_schedules_and_guarded_commit(store: JobStore) -> None:
         [advance(fresh, occurrence(fresh, now + 2 * SECOND), skip_if_busy=True)]
     )
     assert len(result.written) == 1
+
+
+def test_a_missed_occurrence_does_not_make_its_schedule_busy(store: JobStore) -> None:
+    now = store.now()
+    store.add_schedules([new_schedule("m", now, overlap="skip")])
+    row = stored(store, "m")
+    store.add_job(occurrence(row, now - 30 * SECOND))
+    epoch = store.acquire_epoch(0, "t")
+    [claimed] = store.claim_due(shard=0, epoch=epoch, limit=10)
+    assert store.busy_schedules([row.id]) == {row.id}
+    assert store.mark_missed([(claimed.id, "missed (test)")], epoch=epoch) == [claimed.id]
+    assert store.busy_schedules([row.id]) == set()
 
 
 # -- changes --------------------------------------------------------------------------------

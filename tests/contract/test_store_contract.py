@@ -738,3 +738,36 @@ def test_unfinished_by_shard_counts_rows_from_a_shard_on(store: JobStore) -> Non
     }
     assert store.unfinished_by_shard(from_shard=4) == {}
     assert claimed.key == "d1"
+
+
+# -- missed occurrences (issue 15, point 5) -----------------------------------------------
+
+
+def test_mark_missed_finishes_jobs_never_sent_fenced_by_epoch(store: JobStore) -> None:
+    store.add_job(new_job("late-1", past(store, 30)))
+    store.add_job(new_job("late-2", past(store, 20)))
+    store.add_job(new_job("resent", past(store, 10)))
+    epoch = leader(store)
+    late_1, _late_2, resent = store.claim_due(shard=0, epoch=epoch, limit=10)
+    # A job sent before (requeued with an attempt counted) never becomes missed.
+    store.fail_dispatch([(resent.id, "queue refused it")], epoch=epoch)
+    (resent,) = store.claim_due(shard=0, epoch=epoch, limit=10)
+    assert resent.attempt == 1
+
+    reasons = [(late_1.id, "missed: policy skip"), (resent.id, "missed: no")]
+    assert store.mark_missed(reasons, epoch=epoch + 1) == []  # a stale epoch moves nothing
+    assert status_of(store, "late-1") is JobStatus.DISPATCHED
+    moved = store.mark_missed([*reasons, (uuid.uuid4(), "unknown id")], epoch=epoch)
+    assert moved == [late_1.id]
+    missed = store.get("late-1")
+    assert missed is not None and missed.status is JobStatus.MISSED
+    assert missed.last_error == "missed: policy skip" and missed.finished_at is not None
+    assert status_of(store, "resent") is JobStatus.DISPATCHED
+    assert status_of(store, "late-2") is JobStatus.DISPATCHED
+    assert store.mark_missed([], epoch=epoch) == []
+    # Finished: counted as such, pruned with the others, its key free again.
+    assert JobStatus.MISSED.finished
+    assert store.counts_by_status()[JobStatus.MISSED] == 1
+    time.sleep(0.05)
+    assert store.prune(older_than=0, batch=10) == 1
+    assert store.get("late-1") is None

@@ -246,6 +246,24 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                     moved += 1
             return ReconcileResult(requeued=moved - dead, dead=dead)
 
+    def mark_missed(
+        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> list[uuid.UUID]:
+        with self._lock:  # one lock stands in for the one statement
+            now = self.now()
+            moved = []
+            for job_id, reason in dict(dropped).items():
+                job = self._jobs.get(job_id)
+                if (
+                    job is not None
+                    and job.status == JobStatus.DISPATCHED
+                    and job.leader_epoch == epoch
+                    and job.attempt == 0
+                ):
+                    self._update(job, status=JobStatus.MISSED, finished_at=now, last_error=reason)
+                    moved.append(job_id)
+            return moved
+
     def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
         found: dict[int, dict[JobStatus, int]] = {}
         with self._lock:

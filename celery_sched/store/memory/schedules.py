@@ -45,6 +45,11 @@ class MemoryScheduleStore(MemoryStoreBase, ScheduleStore):
         with self._lock:
             return self._schedules.get(name)
 
+    def schedules_by_id(self, schedule_ids: Sequence[int]) -> dict[int, StoredSchedule]:
+        wanted = set(schedule_ids)
+        with self._lock:
+            return {s.id: s for s in self._schedules.values() if s.id in wanted}
+
     def list_schedules(
         self, *, after: str | None = None, limit: int | None = None
     ) -> list[StoredSchedule]:

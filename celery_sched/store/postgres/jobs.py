@@ -333,6 +333,18 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         dead = sum(1 for status in statuses if status == JobStatus.DEAD.value)
         return ReconcileResult(requeued=len(statuses) - dead, dead=dead)
 
+    def mark_missed(
+        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+    ) -> list[uuid.UUID]:
+        if not dropped:
+            return []
+        reasons = dict(dropped)
+        params = {"f_ids": list(reasons), "f_reasons": list(reasons.values()), "p_epoch": epoch}
+        return self.database.transaction(
+            "mark_missed",
+            lambda conn: list(conn.execute(self.statements.mark_missed, params).scalars()),
+        )
+
     def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
         rows = self.database.transaction(
             "unfinished_by_shard",

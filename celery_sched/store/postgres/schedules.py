@@ -10,7 +10,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Row, func, select, update
+from sqlalchemy import BigInteger, Row, any_, bindparam, func, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from celery_sched.errors import DuplicateJob, InvalidSchedule, ScheduleExists, UnknownSchedule
@@ -85,6 +86,17 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
             "get_schedule", lambda conn: conn.execute(self._sq.get, {"p_name": name}).first()
         )
         return None if row is None else _stored_schedule(row)
+
+    def schedules_by_id(self, schedule_ids: Sequence[int]) -> dict[int, StoredSchedule]:
+        ids = list(dict.fromkeys(schedule_ids))
+        if not ids:
+            return {}
+        table = self._sq.schedules
+        stmt = select(table).where(table.c.id == any_(bindparam("p_ids", type_=ARRAY(BigInteger))))
+        rows = self.database.transaction(
+            "schedules_by_id", lambda conn: conn.execute(stmt, {"p_ids": ids}).all()
+        )
+        return {schedule.id: schedule for schedule in map(_stored_schedule, rows)}
 
     def list_schedules(
         self, *, after: str | None = None, limit: int | None = None

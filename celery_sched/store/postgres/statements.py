@@ -354,6 +354,34 @@ def fail_dispatch(t: Tables) -> Update:
     )
 
 
+def mark_missed(t: Tables) -> Update:
+    """dispatched -> missed for the jobs ``f_ids`` of epoch ``p_epoch`` that
+    were never sent (``attempt = 0``), each with its reason in ``f_reasons``
+    (occurrences the misfire policy drops at their first dispatch)."""
+    c = t.jobs.c
+    dropped = (
+        func.unnest(
+            _ids(t.jobs, "f_ids"),
+            bindparam("f_reasons", type_=postgresql.ARRAY(Text)),
+        )
+        .table_valued("id", "reason")
+        .render_derived(name="dropped", with_types=False)
+    )
+    # attempt = 0: a requeue (of a job sent before) follows max_attempts,
+    # never the misfire policy, whatever the caller passed.
+    return (
+        update(t.jobs)
+        .where(
+            c.id == dropped.c.id,
+            c.status == DISPATCHED,
+            c.leader_epoch == bindparam("p_epoch"),
+            c.attempt == 0,
+        )
+        .values(status="missed", finished_at=func.now(), last_error=dropped.c.reason)
+        .returning(c.id)
+    )
+
+
 def unfinished_by_shard(t: Tables) -> Any:
     """Per shard ``>= from_shard`` and unfinished status, the count of jobs."""
     c = t.jobs.c
@@ -989,6 +1017,7 @@ NAMED: tuple[Callable[[Tables], Any], ...] = (
     release,
     mark_expired,
     fail_dispatch,
+    mark_missed,
     unfinished_by_shard,
     requeue_dispatched,
     mark_untracked,
@@ -1024,6 +1053,7 @@ class Statements:
         self.release = release(t)
         self.mark_expired = mark_expired(t)
         self.fail_dispatch = fail_dispatch(t)
+        self.mark_missed = mark_missed(t)
         self.unfinished_by_shard = unfinished_by_shard(t)
         self.requeue_dispatched = requeue_dispatched(t)
         self.mark_untracked = mark_untracked(t)
