@@ -72,7 +72,10 @@ def cluster(tmp_path: Path, e2e_settings: Settings, redis_url: str) -> Iterator[
 
     # A job claimed by the killed leader but not published comes back after
     # the visibility timeout; keep it well inside the test.
-    settings = dataclasses.replace(e2e_settings, visibility_timeout=10.0)
+    # A takeover (lease_ttl 2 s) stays well inside the misfire grace on a
+    # loaded machine too, so every occurrence across the failover is owed a
+    # run; a longer gap follows the misfire policy (tests/unit/test_misfire_dispatch.py).
+    settings = dataclasses.replace(e2e_settings, visibility_timeout=10.0, misfire_grace=30.0)
     store = build_store(settings)
     store.migrate()
     store.close()
