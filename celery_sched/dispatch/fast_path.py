@@ -2,9 +2,10 @@
 
 :class:`~celery_sched.dispatch.kombu.KombuDispatcher` has two ways around
 Kombu's per-message publish: on Redis it writes Kombu's JSON envelope itself
-and ``LPUSH``es it (:class:`~celery_sched.protocol.RedisEnvelopes`); on
-py-amqp (RabbitMQ) it encodes the message properties itself
-(:mod:`~celery_sched.dispatch.amqp_wire`) and calls ``basic_publish``. Both
+and ``LPUSH``es it (:mod:`~celery_sched.dispatch.path_redis`); on py-amqp
+(RabbitMQ) it encodes the message properties itself and calls
+``basic_publish`` (:mod:`~celery_sched.dispatch.path_amqp`). Both, and the
+task-sent events they write (:mod:`~celery_sched.dispatch.sent_events`),
 reproduce what private parts of Kombu and py-amqp write, so :func:`choose`
 allows them on a connection only when
 
@@ -16,15 +17,19 @@ allows them on a connection only when
 4. sample messages produced by the fast path are what Kombu's own publish
    produces on that very channel: the Redis list and the decoded envelope
    (delivery tag aside: a fresh unique string each), or the AMQP properties
-   byte for byte; with task-sent events on Redis, also the channels and
-   envelope of a sample event (delivery tag aside; the event body, clock and
-   timestamp included, byte for byte) against what Celery's event
-   dispatcher publishes through Kombu.
+   byte for byte; with task-sent events on, also a sample event against
+   what Celery's event dispatcher publishes through Kombu: on Redis the
+   channels and envelope (delivery tag aside; the event body, clock and
+   timestamp included, byte for byte), on py-amqp the exchange, routing
+   key, encoded properties and body, byte for byte.
 
 Otherwise that connection publishes through ``Producer.publish``, with one
-WARNING saying why when 3 or 4 failed. This runs once per connection; the
-samples never reach the broker (Kombu's side is captured at the Redis client
-or at ``basic_publish``).
+WARNING saying why when 3 or 4 failed; except that on py-amqp a sample event
+that differs only sends the events through Celery's event dispatcher (the
+messages keep the fast path). This runs once per connection; the samples
+never reach the broker (Kombu's side is captured at the Redis client or at
+``basic_publish``; Kombu declares the event exchange as it would for its
+first event).
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ class Choice:
     path: PublishPath
     reason: str = ""
     warn: bool = False
+    #: Whether the fast path writes the task-sent events too (with events
+    #: on); False on py-amqp when the sample event differed: Kombu sends them.
+    sent_events: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +99,16 @@ class Sample:
     priority: int | None
     task_id: str
     expiration: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AmqpEvent:
+    """A task-sent event as handed to py-amqp's ``basic_publish``."""
+
+    exchange: str
+    routing_key: str
+    properties: bytes
+    body: bytes
 
 
 def release(version: str) -> tuple[int, ...] | None:
@@ -133,6 +151,7 @@ def choose(
     amqp_fast: Callable[[Sample], bytes],
     sent_event_kombu: Callable[[Sample, Callable[..., dict[str, Any]]], None] | None = None,
     sent_event_fast: Callable[[Sample, dict[str, Any]], list[tuple[str, bytes]]] | None = None,
+    amqp_event_fast: Callable[[Sample, dict[str, Any]], AmqpEvent] | None = None,
 ) -> Choice:
     """The publish path of ``producer``'s connection.
 
@@ -141,11 +160,14 @@ def choose(
     produce, without I/O, what the fast path would write for a sample: the
     Redis list and envelope, or the encoded AMQP properties.
 
-    With task-sent events on (Redis only): ``sent_event_kombu(sample,
-    factory)`` publishes the sample's event through Celery's event
-    dispatcher with ``factory`` as its ``Event``; ``sent_event_fast(sample,
-    event)`` gives the ``(channel, payload)`` pairs the fast path would
-    ``PUBLISH`` for it, with the clock and timestamp of Kombu's ``event``.
+    With task-sent events on: ``sent_event_kombu(sample, factory)``
+    publishes the sample's event through Celery's event dispatcher with
+    ``factory`` as its ``Event``; with the clock, timestamp and UTC offset
+    of the ``event`` Kombu built, ``sent_event_fast(sample, event)`` gives
+    the ``(channel, payload)`` pairs the Redis path would ``PUBLISH`` for
+    it, ``amqp_event_fast(sample, event)`` what the py-amqp path would
+    ``basic_publish`` (:class:`AmqpEvent`). Without the one for the
+    connection's path, events go through Kombu's publish.
     """
     if mode == OFF:
         return Choice(path=PublishPath.KOMBU, reason="celery_sched_fast_publish is off")
@@ -193,7 +215,31 @@ def choose(
             reason=f"comparing a sample message with Kombu's failed: {exc!r}",
             warn=True,
         )
-    return Choice(path=path)
+    if path is PublishPath.AMQP and sent_event_kombu:
+        if amqp_event_fast is None:
+            return Choice(path=path, reason="no fast path for task-sent events")
+        mismatch = _check_amqp_events(producer, samples, sent_event_kombu, amqp_event_fast)
+        if mismatch:
+            return Choice(path=path, reason=mismatch, warn=True)
+    return Choice(path=path, sent_events=sent_event_kombu is not None)
+
+
+def _check_amqp_events(
+    producer: Any,
+    samples: Sequence[Sample],
+    publish: Callable[[Sample, Callable[..., dict[str, Any]]], None],
+    fast: Callable[[Sample, dict[str, Any]], AmqpEvent],
+) -> str:
+    """Why the py-amqp path's sample events are not Kombu's, or ``""``."""
+    try:
+        for sample in samples:
+            theirs, event = _kombu_amqp_event(producer, sample, publish)
+            mismatch = _compare_amqp_event(fast(sample, event), theirs)
+            if mismatch:
+                return f"a sample task-sent event differs from Kombu's: {mismatch}"
+    except Exception as exc:
+        return f"comparing a sample task-sent event with Kombu's failed: {exc!r}"
+    return ""
 
 
 def _publish_kwargs(sample: Sample, reply_to: str) -> dict[str, Any]:
@@ -285,10 +331,11 @@ def _kombu_redis_event(
     return recorder.published, built[0]
 
 
-def _kombu_amqp_properties(producer: Any, sample: Sample, reply_to: str) -> bytes:
-    """py-amqp's own encoding of the properties Kombu's publish gives ``sample``."""
-    channel = producer.channel
-    captured: list[Any] = []
+@contextlib.contextmanager
+def _capturing(channel: Any) -> Iterator[list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
+    """py-amqp's ``channel`` keeping what is given to ``basic_publish``
+    (message, positional and keyword arguments) instead of sending it."""
+    captured: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
     def basic_publish(message: Any, *args: Any, **kwargs: Any) -> None:
         captured.append((message, args, kwargs))
@@ -297,17 +344,63 @@ def _kombu_amqp_properties(producer: Any, sample: Sample, reply_to: str) -> byte
     own = channel.__dict__.get("basic_publish")
     channel.basic_publish = basic_publish
     try:
-        producer.publish(sample.body, **_publish_kwargs(sample, reply_to))
+        yield captured
     finally:
         if own is None:
             del channel.basic_publish
         else:
             channel.basic_publish = own
+
+
+def _kombu_amqp_properties(producer: Any, sample: Sample, reply_to: str) -> bytes:
+    """py-amqp's own encoding of the properties Kombu's publish gives ``sample``."""
+    with _capturing(producer.channel) as captured:
+        producer.publish(sample.body, **_publish_kwargs(sample, reply_to))
     if len(captured) != 1:
         raise RuntimeError(f"Kombu published {len(captured)} messages for one")
     message, _, _ = captured[0]
     properties: bytes = message._serialize_properties()
     return properties
+
+
+def _kombu_amqp_event(
+    producer: Any, sample: Sample, publish: Callable[[Sample, Callable[..., dict[str, Any]]], None]
+) -> tuple[AmqpEvent, dict[str, Any]]:
+    """What Kombu's publish hands py-amqp's ``basic_publish`` for the
+    sample's task-sent event, and the event Celery built for it."""
+    built: list[dict[str, Any]] = []
+
+    def factory(type: str, **fields: Any) -> dict[str, Any]:
+        event: dict[str, Any] = Event(type, **fields)
+        built.append(event)
+        return event
+
+    with _capturing(producer.channel) as captured:
+        publish(sample, factory)
+    if len(built) != 1 or len(captured) != 1:
+        raise RuntimeError(f"Kombu published {len(captured)} messages for {len(built)} events")
+    message, args, kwargs = captured[0]
+    exchange = kwargs["exchange"] if "exchange" in kwargs else args[0]
+    routing_key = kwargs["routing_key"] if "routing_key" in kwargs else args[1]
+    body = message.body
+    theirs = AmqpEvent(
+        exchange=exchange,
+        routing_key=routing_key,
+        properties=message._serialize_properties(),
+        body=body if isinstance(body, bytes) else str(body).encode("utf-8"),
+    )
+    return theirs, built[0]
+
+
+def _compare_amqp_event(ours: AmqpEvent, theirs: AmqpEvent) -> str:
+    if (ours.exchange, ours.routing_key) != (theirs.exchange, theirs.routing_key):
+        return (
+            f"exchange and routing key {ours.exchange!r}, {ours.routing_key!r} "
+            f"instead of {theirs.exchange!r}, {theirs.routing_key!r}"
+        )
+    if ours.body != theirs.body:
+        return f"body {ours.body!r} instead of {theirs.body!r}"
+    return _compare_amqp(ours.properties, theirs.properties)
 
 
 def _compare_redis(ours: tuple[str, bytes], theirs: tuple[str, bytes]) -> str:

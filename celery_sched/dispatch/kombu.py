@@ -1,30 +1,37 @@
-"""Publishing claimed jobs as Celery protocol-2 messages through Kombu.
+"""KombuDispatcher: claimed jobs published as Celery protocol-2 messages.
 
-The per-message path is kept short on purpose (the README's "Benchmarks" give
-the figures): the body is published as the stored bytes, the constant part of
-the headers is built once per batch, routes are resolved once per task name and
-per-job destination (per job only when ``task_routes`` has a router that may
-route by the arguments, which are then decoded), queues are declared once per
-connection, and on transports that support it (Redis) the whole batch goes
-through one ``Producer.batch()`` pipeline.
+The dispatcher prepares each job's message once (headers from
+:mod:`celery_sched.protocol`, the route from :mod:`.routing`), then
+publishes the batch on one broker connection (:mod:`.connection`) by one of
+three paths, chosen once per connection by
+:func:`celery_sched.dispatch.fast_path.choose`:
 
-Why this module is over 700 lines: it is one class whose three publish paths
-(Kombu's producer; py-amqp's ``basic_publish`` with properties from
-:mod:`~celery_sched.dispatch.amqp_wire`; pipelined ``LPUSH`` of
-:class:`~celery_sched.protocol.RedisEnvelopes` on Redis) share one
-connection, one cache of declared queues and one chunk accounting of which
-jobs count as sent, and the error classification at the top decides for all
-three what is retried and what fails one destination. Which path a
-connection uses is decided once per connection by
-:func:`celery_sched.dispatch.fast_path.choose`. The message itself
-(headers, body, envelope, expiry) is :mod:`celery_sched.protocol`'s.
+- :mod:`.path_redis`: on Redis, each chunk as one pipelined ``LPUSH`` per
+  list of envelopes written by :class:`~celery_sched.protocol.RedisEnvelopes`,
+  task-sent events sent by ``PUBLISH`` in the same round trip;
+- :mod:`.path_amqp`: on RabbitMQ (py-amqp), ``basic_publish`` with the
+  properties encoded by :mod:`.amqp_wire`, each task-sent event right after
+  its message;
+- :mod:`.path_kombu`: Kombu's ``Producer.publish``, on any transport, and
+  wherever a fast path is refused.
+
+The per-message work is kept short on purpose (the README's "Benchmarks"
+give the figures): the body is published as the stored bytes, the constant
+part of the headers is built once per batch, routes are resolved once per
+task name and per-job destination, queues are declared once per
+connection, and the fast paths write task-sent events themselves
+(:mod:`.sent_events`).
+
+All three keep the same books (:mod:`.outgoing`: a job counts as sent once
+its chunk is written, never before) and classify failures alike
+(:mod:`.failures`). What stays here: preparing messages, the retry of a
+whole publish, what a failure does to the batch, and the per-connection
+choice of path with the samples it compares.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import datetime as dt
 import logging
 import time
@@ -33,253 +40,32 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import amqp
-import amqp.exceptions
-import redis.exceptions
 from celery.app.defaults import DEFAULTS
-from celery.app.routes import MapRoute
-from celery.events.event import Event
-from celery.utils.time import utcoffset
-from kombu import Exchange, Queue
-from kombu.common import Broadcast
-from kombu.entity import maybe_delivery_mode
-from kombu.exceptions import (  # type: ignore[attr-defined]  # missing from kombu-stubs
-    BatchPublishError,
-    OperationalError,
-)
 
-from celery_sched.dispatch import fast_path
-from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder
-from celery_sched.dispatch.fast_path import PublishPath, Sample
-from celery_sched.dispatch.sent_events import SentEvents, sent_fields
+from celery_sched.dispatch import fast_path, path_amqp, path_kombu, path_redis
+from celery_sched.dispatch.amqp_wire import PropertiesEncoder
+from celery_sched.dispatch.connection import PublishConnection
+from celery_sched.dispatch.failures import TRANSIENT_ERRORS, DestinationFailed
+from celery_sched.dispatch.fast_path import AmqpEvent, PublishPath, Sample
+from celery_sched.dispatch.outgoing import DEFAULT_CHUNK, OutgoingMessage, always
+from celery_sched.dispatch.routing import Route, TaskRoutes
+from celery_sched.dispatch.sent_events import ROUTING_KEY, AmqpSentEvents, SentEvents
 from celery_sched.errors import CelerySchedError, PublishError
 from celery_sched.interfaces import Dispatcher, PublishResult
-from celery_sched.models import Job, accepted_content_types, decode_body
+from celery_sched.models import Job, accepted_content_types
 from celery_sched.protocol import (
     COMPRESSION_HEADER,
-    KEY_HEADER,
-    Announced,
     PublishSignals,
-    RedisEnvelopes,
-    TaskDefaults,
     base_headers,
     compress_body,
     is_expired,
     message_headers,
     send_expires_at,
-    task_defaults,
 )
 from celery_sched.retry import call_with_retry
 from celery_sched.settings import Settings, sanitize_url
 
 logger = logging.getLogger(__name__)
-
-
-class _ServerBusy(Exception):
-    """A Redis error reply that speaks for the whole server (not one list)."""
-
-
-#: Failures after which a fresh connection may succeed. Anything else raised
-#: while publishing one message (an unroutable task, an unencodable header) is
-#: that job's own failure and is not retried; an error reply for one Redis
-#: list (WRONGTYPE) or a channel error declaring one queue or exchange fails
-#: the jobs of that destination only.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    OperationalError,
-    BatchPublishError,
-    OSError,  # socket errors, ConnectionError, TimeoutError
-    amqp.exceptions.ConnectionError,
-    amqp.exceptions.ChannelError,
-    redis.exceptions.ConnectionError,  # BusyLoadingError (LOADING) included
-    redis.exceptions.TimeoutError,
-    # Error replies about the server, not the key: a replica after a
-    # failover, memory full, a cluster in transition.
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.ClusterDownError,
-    _ServerBusy,
-)
-
-#: Error replies redis-py leaves unmapped that still concern the whole server.
-_SERVER_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM", "BUSY")
-
-
-def _server_wide(exc: redis.exceptions.ResponseError) -> bool:
-    return isinstance(exc, TRANSIENT_ERRORS) or str(exc).startswith(_SERVER_REPLIES)
-
-
-class _DestinationFailed(Exception):
-    """Internal: one destination (queue, exchange, Redis list) refused its
-    messages; ``ids`` are the jobs that were headed there."""
-
-    def __init__(self, ids: list[uuid.UUID], reason: str) -> None:
-        super().__init__(reason)
-        self.ids = ids
-        self.reason = reason
-
-
-#: Messages flushed to Redis per pipeline round trip. After each flush those
-#: jobs are known to be sent; a failure can only leave one chunk uncertain.
-DEFAULT_CHUNK = 500
-
-# ``Producer.batch`` flushes by itself when it holds ``max_size`` commands;
-# we flush explicitly per chunk to know which jobs are sent, so this only
-# has to exceed what one chunk can buffer.
-_NO_AUTO_FLUSH = 1 << 30
-
-
-def _always() -> bool:
-    return True
-
-
-def _push_lists(
-    client: Any,
-    lists: dict[str, list[bytes]],
-    published: Sequence[tuple[str, bytes]] = (),
-) -> dict[str, str]:
-    """``LPUSH key *payloads`` for each list, then ``PUBLISH channel payload``
-    for each of ``published`` (task-sent events): one write, one round trip.
-
-    The commands are packed here: for hundreds of kilobyte-sized values a
-    plain join is about ten times faster than redis-py's hiredis packer,
-    which took an eighth of the dispatch loop's time. Kombu's
-    ``global_keyprefix`` is applied as its own client applies it.
-
-    Each list's reply is read on its own: an error reply about that key
-    (WRONGTYPE: the queue name is a key of another type) is returned as
-    ``{list: why}`` and the other lists count as written. An error about
-    the server (READONLY, LOADING, ...) or any other failure is raised, the
-    connection dropped so no unread reply is left on it. An error reply to
-    a ``PUBLISH`` that is not about the server loses that event only: it is
-    logged, and the messages count as written.
-    """
-    prefix = getattr(client, "global_keyprefix", None) or ""
-    parts: list[bytes] = []
-    append = parts.append
-    for key, payloads in lists.items():
-        name = (prefix + key).encode()
-        append(b"*%d\r\n$5\r\nLPUSH\r\n$%d\r\n%s\r\n" % (len(payloads) + 2, len(name), name))
-        for payload in payloads:
-            append(b"$%d\r\n" % len(payload))
-            append(payload)
-            append(b"\r\n")
-    for topic, payload in published:
-        # Kombu's prefixed client prefixes PUBLISH channels too.
-        name = (prefix + topic).encode()
-        append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, len(payload)))
-        append(payload)
-        append(b"\r\n")
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    refused: dict[str, str] = {}
-    try:
-        conn.send_packed_command([b"".join(parts)])
-        for key in lists:
-            try:
-                conn.read_response()
-            except redis.exceptions.ResponseError as exc:
-                if _server_wide(exc):
-                    if isinstance(exc, TRANSIENT_ERRORS):
-                        raise
-                    raise _ServerBusy(str(exc)) from exc
-                # The whole reply was read: the connection stays in step.
-                refused[key] = f"Redis refused list {key!r}: {exc}"
-        for topic, _ in published:
-            try:
-                conn.read_response()
-            except redis.exceptions.ResponseError as exc:
-                if _server_wide(exc):
-                    if isinstance(exc, TRANSIENT_ERRORS):
-                        raise
-                    raise _ServerBusy(str(exc)) from exc
-                logger.warning("Redis refused a task-sent event on %r: %s", topic, exc)
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-    return refused
-
-
-#: Job options ``send_task`` takes out of the options before it asks the
-#: routers: they become headers, not routing.
-_NOT_ROUTING = frozenset({"time_limit", "soft_time_limit", "ignore_result", "expires"})
-
-
-def _routes_by_arguments(router: Any, task: str) -> bool:
-    """Whether ``task_routes`` may route ``task`` by its arguments: a router
-    other than a dict or glob map (a function, an import path, a router
-    class) comes before any map entry matching the task name. Otherwise the
-    route depends on the name and the job's destination options only."""
-    for entry in router.routes:
-        if not isinstance(entry, MapRoute):
-            return True
-        if entry(task) is not None:
-            return False
-    return False
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Route:
-    """Where messages of one (task, per-job destination) go, and what the
-    task declares for them (time limits, ``expires``)."""
-
-    exchange: str
-    routing_key: str
-    queue: str | None
-    delivery_mode: int | None
-    priority: int | None
-    declare: Queue | Exchange | None
-    defaults: TaskDefaults | None = None
-    #: The body's compression (the task's, ``task_routes``' or the app's
-    #: ``task_compression``); None: sent as stored.
-    compression: str | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class _Message:
-    job_id: uuid.UUID
-    task_id: str
-    body: bytes
-    content_type: str
-    content_encoding: str
-    headers: dict[str, Any]
-    route: Route
-    priority: int | None
-    expiration: float | None
-    #: Set once ``before_task_publish`` was sent for it (see _announce).
-    announced: Announced | None = None
-
-
-def _announce(signals: PublishSignals, message: _Message) -> None:
-    """``before_task_publish`` for ``message``, once however often it is
-    retried; a receiver's changes to the headers are in ``message.headers``
-    before any path encodes them."""
-    route = message.route
-    headers = message.headers
-    declare = route.declare
-    message.announced = signals.before(
-        task=headers["task"],
-        task_id=message.task_id,
-        body=message.body,
-        content_type=message.content_type,
-        content_encoding=message.content_encoding,
-        headers=headers,
-        exchange=route.exchange,
-        routing_key=route.routing_key,
-        declare=[declare] if isinstance(declare, Queue) else None,
-        priority=message.priority,
-        expiration=message.expiration,
-    )
-
-
-def _announce_sent(chunk: list[_Message], rejected: dict[uuid.UUID, str]) -> None:
-    """``after_task_publish`` for each message of a chunk the broker took."""
-    after = PublishSignals.after
-    for message in chunk:
-        announced = message.announced
-        if announced is not None and message.job_id not in rejected:
-            after(announced)
 
 
 def _retry_schedule(conf: Any, settings: Settings) -> tuple[int, float, float]:
@@ -307,42 +93,6 @@ def _retry_schedule(conf: Any, settings: Settings) -> tuple[int, float, float]:
     return max(attempts, 1), min(max(first, 0.0), longest), longest
 
 
-def _amqp_wire(
-    encode: Callable[..., bytes], message: _Message, default_mode: Any, reply_to: str
-) -> bytes:
-    """The encoded properties the py-amqp path sends for ``message``: what
-    Kombu's publish gives py-amqp to encode (``fast_path`` checks it)."""
-    expiration = message.expiration
-    return encode(
-        content_type=message.content_type,
-        content_encoding=message.content_encoding,
-        headers=message.headers,
-        delivery_mode=maybe_delivery_mode(message.route.delivery_mode or default_mode),
-        priority=message.priority,
-        correlation_id=message.task_id,
-        reply_to=reply_to,
-        expiration=None if expiration is None else str(int(max(expiration, 0.0) * 1000)),
-    )
-
-
-def _record_sent(
-    chunk: list[_Message], rejected: dict[uuid.UUID, str], sent: list[uuid.UUID]
-) -> None:
-    """Count the jobs of a chunk the broker took as sent, except the rejected ones."""
-    if rejected:
-        sent.extend(m.job_id for m in chunk if m.job_id not in rejected)
-    else:
-        sent.extend(m.job_id for m in chunk)
-
-
-def _sent_fields(message: _Message) -> dict[str, Any]:
-    """The fields of Celery's own task-sent event for ``message``."""
-    route = message.route
-    return sent_fields(
-        message.task_id, message.headers, route.queue, route.exchange, route.routing_key
-    )
-
-
 class KombuDispatcher(Dispatcher):
     """Publishes jobs to the app's broker as messages a stock worker runs.
 
@@ -367,38 +117,30 @@ class KombuDispatcher(Dispatcher):
         self._sleep = sleep
         conf = app.conf
         self._send_sent_event = bool(conf.task_send_sent_event)
-        self._compression: str | None = conf.task_compression or None
         self._retry_policy: dict[str, Any] = dict(conf.task_publish_retry_policy or {})
         self._attempts, self._backoff, self._max_delay = _retry_schedule(conf, settings)
-        self._default_delivery_mode = conf.task_default_delivery_mode
-        self._default_priority: int | None = conf.task_default_priority
         # Like ``send_task``: results of a scheduled job, if any consumer
         # wants them over RPC, are addressed to this process.
         self._reply_to: str = app.thread_oid
         self._url = sanitize_url(app.connection_for_write().as_uri())
-        self._routes: dict[tuple[str, Any, Any, Any], Route] = {}
-        # Per task name: whether its route is computed per job (see
-        # _routes_by_arguments); those routes are interned, since the Redis
-        # envelopes cache per route object.
-        self._by_arguments: dict[str, bool] = {}
-        self._interned: dict[Route, Route] = {}
         self._accept: frozenset[str] | None = None
-        self._connection: Any = None
-        self._producer: Any = None
-        self._events: Any = None
-        # Task-sent events as the Redis fast path publishes them (events on, Redis).
+        self._router = TaskRoutes(app, accept=self._accepted)
+        self._routes = self._router.cache
+        self._conn: PublishConnection | None = None
+        # Task-sent events as the fast paths write them (events on): on
+        # Redis, and on py-amqp (None when the sample check sends them
+        # through Kombu).
         self._sent_events: SentEvents | None = None
-        self._declared: set[Queue | Exchange] = set()
-        # Exchanges of routes without a queue to declare, checked to exist
-        # once per connection (RabbitMQ).
-        self._exchanges_seen: set[str] = set()
-        self._batching = False
+        self._amqp_events: AmqpSentEvents | None = None
         self._amqp = PropertiesEncoder()
         # The connection's publish path, chosen once per connection by
         # fast_path.choose (Kombu's publish until then).
         self._path = PublishPath.KOMBU
         #: The path chosen for the latest connection (None before the first).
         self.publish_path: PublishPath | None = None
+        #: The path the latest connection's task-sent events take: the fast
+        #: path's, or Kombu's (None with events off or before the first).
+        self.sent_events_path: PublishPath | None = None
         #: Messages sent so far by each path.
         self.sent_by_path: collections.Counter[PublishPath] = collections.Counter()
         # Reasons already logged at WARNING: one warning each, not one per reconnect.
@@ -419,7 +161,7 @@ class KombuDispatcher(Dispatcher):
         expired: list[uuid.UUID] = []
         rejected: dict[uuid.UUID, str] = {}
         todo = self._prepare(jobs, epoch=epoch, now=now, rejected=rejected, expired=expired)
-        allowed = may_publish or _always
+        allowed = may_publish or always
         # Once per call: with no receiver, no message pays for the signals.
         signals = self._signals() if todo and PublishSignals.connected() else None
         while todo:
@@ -437,7 +179,7 @@ class KombuDispatcher(Dispatcher):
                     max_delay=self._max_delay,
                     sleep=self._sleep,
                 )
-            except _DestinationFailed as exc:
+            except DestinationFailed as exc:
                 # One queue or exchange refused: its jobs fail, the channel
                 # it closed is reopened, the rest of the batch goes on.
                 logger.error("cannot publish %d jobs: %s", len(exc.ids), exc.reason)
@@ -467,13 +209,18 @@ class KombuDispatcher(Dispatcher):
     def close(self) -> None:
         self._reset()
 
-    def _signals(self) -> PublishSignals:
+    def _accepted(self) -> frozenset[str]:
+        """The app's ``accept_content`` as content types (raises when invalid)."""
         accept = self._accept
         if accept is None:
-            try:
-                accept = self._accept = accepted_content_types(self._app.conf.accept_content)
-            except CelerySchedError:
-                accept = None  # the receivers get the stored bytes
+            accept = self._accept = accepted_content_types(self._app.conf.accept_content)
+        return accept
+
+    def _signals(self) -> PublishSignals:
+        try:
+            accept: frozenset[str] | None = self._accepted()
+        except CelerySchedError:
+            accept = None  # the receivers get the stored bytes
         return PublishSignals(
             reply_to=self._reply_to, retry_policy=self._retry_policy, accept=accept
         )
@@ -488,9 +235,9 @@ class KombuDispatcher(Dispatcher):
         now: dt.datetime,
         rejected: dict[uuid.UUID, str],
         expired: list[uuid.UUID],
-    ) -> list[_Message]:
+    ) -> list[OutgoingMessage]:
         base = base_headers(origin=self._settings.hostname, epoch=epoch)
-        todo: list[_Message] = []
+        todo: list[OutgoingMessage] = []
         append = todo.append
         prepare = self._message
         for job in jobs:
@@ -507,8 +254,7 @@ class KombuDispatcher(Dispatcher):
                 rejected[job.id] = str(reason)
         return todo
 
-    def _message(self, job: Job, base: dict[str, Any], now: dt.datetime) -> _Message:
-        routes = self._routes
+    def _message(self, job: Job, base: dict[str, Any], now: dt.datetime) -> OutgoingMessage:
         options = job.options
         if options:
             route_key = (
@@ -519,10 +265,10 @@ class KombuDispatcher(Dispatcher):
             )
         else:
             route_key = (job.task, None, None, None)
-        route = routes.get(route_key)
+        route = self._routes.get(route_key)
         if route is None:
             try:
-                route = self._route(job, route_key)
+                route = self._router.resolve(job, route_key)
             except Exception as exc:
                 raise PublishError(f"cannot route task {job.task!r}: {exc!r}") from exc
         priority = route.priority
@@ -548,7 +294,7 @@ class KombuDispatcher(Dispatcher):
         if compression:
             # As Kombu's publish does it, so every path sends the same bytes.
             body, headers[COMPRESSION_HEADER] = compress_body(body, compression)
-        return _Message(
+        return OutgoingMessage(
             job.id,
             task_id,
             body,
@@ -560,155 +306,28 @@ class KombuDispatcher(Dispatcher):
             expiration,
         )
 
-    def _route(self, job: Job, route_key: tuple[str, Any, Any, Any]) -> Route:
-        """The route of ``job``, not found in the cache of ``route_key``s:
-        resolved once and cached, or, when ``task_routes`` may route the
-        task by its arguments, resolved for this job alone."""
-        task = job.task
-        by_arguments = self._by_arguments.get(task)
-        if by_arguments is None:
-            by_arguments = self._by_arguments[task] = _routes_by_arguments(
-                self._app.amqp.router, task
-            )
-        if not by_arguments:
-            route = self._routes[route_key] = self._resolve_route(*route_key)
-            return route
-        accept = self._accept
-        if accept is None:
-            accept = self._accept = accepted_content_types(self._app.conf.accept_content)
-        args, kwargs = decode_body(
-            job.body,
-            job.content_type,
-            job.content_encoding,
-            accept,
-            f"the body of job {job.key!r}",
-        )
-        route = self._resolve_route(
-            task,
-            None,
-            None,
-            None,
-            args=args,
-            kwargs=kwargs,
-            job_options=job.options,
-        )
-        return self._interned.setdefault(route, route)
-
-    def _resolve_route(
-        self,
-        task: str,
-        queue: Any,
-        exchange: Any,
-        routing_key: Any,
-        *,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        job_options: Any = None,
-    ) -> Route:
-        """Route like ``send_task``: task options < task_routes < the job's own.
-
-        The routers get what ``send_task`` gives them: the task name, the
-        job's ``args`` and ``kwargs`` (empty when the route is cached per
-        task name: only maps are configured for it) and the options, the
-        task's own under the job's.
-        """
-        app = self._app
-        amqp_ = app.amqp
-        options: dict[str, Any] = {}
-        task_type = app.tasks.get(task)
-        if task_type is not None:
-            for name in ("queue", "exchange", "routing_key", "priority", "compression"):
-                value = getattr(task_type, name, None)
-                if value is not None:
-                    options[name] = value
-        for name, value in (("queue", queue), ("exchange", exchange), ("routing_key", routing_key)):
-            if value is not None:
-                options[name] = value
-        if job_options:
-            for name, value in job_options.items():
-                if name not in _NOT_ROUTING:
-                    options[name] = value
-        route = amqp_.router.route(options, task, args, kwargs or {}, task_type)
-
-        dest = route.get("queue")
-        exch = route.get("exchange")
-        rkey = route.get("routing_key")
-        if dest is None and exch is None:
-            dest = amqp_.default_queue
-        if isinstance(dest, str):
-            dest = amqp_.queues[dest]
-        qname = dest.name if dest is not None else None
-
-        delivery_mode = route.get("delivery_mode")
-        if delivery_mode is None and dest is not None:
-            delivery_mode = dest.exchange.delivery_mode
-        delivery_mode = maybe_delivery_mode(delivery_mode or self._default_delivery_mode)
-
-        exchange_type = route.get("exchange_type")
-        if exchange_type is None:
-            exchange_type = dest.exchange.type if dest is not None else "direct"
-        declare: Queue | Exchange | None = None
-        if (not exch or not rkey) and exchange_type == "direct":
-            # The default exchange delivers straight to the queue named by
-            # the routing key: no exchange lookup on the broker.
-            exch, rkey = "", qname
-        elif exch is None:
-            exch = dest.exchange.name or amqp_.default_exchange.name
-            rkey = rkey or dest.routing_key or app.conf.task_default_routing_key
-        if dest is not None and not isinstance(dest, Broadcast):
-            declare = dest
-        elif isinstance(exch, Exchange):
-            declare = exch
-        if isinstance(exch, Exchange):
-            exch = exch.name
-        priority = route.get("priority", self._default_priority)
-        return Route(
-            exchange=exch or "",
-            routing_key=rkey or "",
-            queue=qname,
-            delivery_mode=delivery_mode,
-            priority=priority,
-            declare=declare,
-            defaults=task_defaults(task_type),
-            compression=route.get("compression") or self._compression,
-        )
-
     # -- I/O ------------------------------------------------------------------
 
-    def _connect(self) -> Any:
-        if self._producer is None:
-            connection = self._app.connection_for_write()
-            try:
-                # Bounded: one connection attempt; call_with_retry owns the backoff.
-                connection.connect()
-                channel = connection.channel()
-                self._producer = self._app.amqp.Producer(channel, auto_declare=False)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    connection.release()
-                raise
-            self._connection = connection
-            self._declared = set()
-            self._exchanges_seen = set()
-            self._batching = bool(self._producer.supports_batch_publish)
-            if self._send_sent_event:
-                self._events = self._app.events.Dispatcher(
-                    connection,
-                    hostname=self._settings.hostname,
-                    # We pass our producer to publish(); the dispatcher's own
-                    # producer would be an idle second channel.
-                    enabled=False,
-                    # A failed event must fail the batch, not sit in a buffer.
-                    buffer_while_offline=False,
-                )
-                if hasattr(channel, "_get_publish_topics"):  # Kombu's Redis channel
-                    self._sent_events = SentEvents(self._events, channel)
-            self._choose_path(self._producer)
+    def _connect(self) -> PublishConnection:
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = PublishConnection(
+                self._app,
+                hostname=self._settings.hostname,
+                send_sent_event=self._send_sent_event,
+            )
+            if conn.events is not None:
+                if isinstance(conn.channel, amqp.Channel):
+                    self._amqp_events = AmqpSentEvents(conn.events, conn.producer, self._amqp)
+                elif hasattr(conn.channel, "_get_publish_topics"):  # Kombu's Redis channel
+                    self._sent_events = SentEvents(conn.events, conn.channel)
+            self._choose_path(conn)
             logger.debug("connected to broker %s", self._url)
-        return self._producer
+        return conn
 
-    def _choose_path(self, producer: Any) -> None:
+    def _choose_path(self, conn: PublishConnection) -> None:
         """Decide this connection's publish path (see :mod:`fast_path`)."""
+        producer = conn.producer
         encode = self._amqp.properties
         default_mode = producer.exchange.delivery_mode
 
@@ -725,28 +344,53 @@ class KombuDispatcher(Dispatcher):
                 )
                 return {}
 
-            self._send_redis(producer, [self._sample_message(sample)], [], {}, _always, push)
+            path_redis.send(
+                conn,
+                [self._sample_message(sample)],
+                [],
+                {},
+                always,
+                None,
+                chunk=self._chunk,
+                reply_to=self._reply_to,
+                sent_events=self._sent_events if self._send_sent_event else None,
+                push=push,
+            )
             if len(written) != 1:
                 raise RuntimeError(f"the Redis path wrote {len(written)} values for one message")
             return written[0]
 
         def amqp_fast(sample: Sample) -> bytes:
-            return _amqp_wire(encode, self._sample_message(sample), default_mode, self._reply_to)
+            message = self._sample_message(sample)
+            return path_amqp.properties(encode, message, default_mode, self._reply_to)
 
-        events, sent_events = self._events, self._sent_events
+        events, sent_events = conn.events, self._sent_events
 
         def sent_event_kombu(sample: Sample, factory: Callable[..., dict[str, Any]]) -> None:
-            self._send_event(events, producer, self._sample_message(sample), factory)
+            path_kombu.send_sent_event(events, producer, self._sample_message(sample), factory)
 
         def sent_event_fast(sample: Sample, event: dict[str, Any]) -> list[tuple[str, bytes]]:
             assert sent_events is not None
-            payload = sent_events.encode(
-                self._sample_message(sample),
-                clock=event["clock"],
-                timestamp=event["timestamp"],
-                utcoffset=utcoffset(),
-            )
+            sent_events.begin(event["utcoffset"])
+            message = self._sample_message(sample)
+            payload = sent_events.encode(message, event["clock"], event["timestamp"])
             return [(topic, payload) for topic in sent_events.topics]
+
+        amqp_events = self._amqp_events
+
+        def amqp_event_fast(sample: Sample, event: dict[str, Any]) -> AmqpEvent:
+            assert amqp_events is not None
+            amqp_events.begin(event["utcoffset"])
+            message = self._sample_message(sample)
+            encoded = amqp_events.message(message, event["clock"], event["timestamp"])
+            body = encoded.body
+            assert isinstance(body, bytes)
+            return AmqpEvent(
+                exchange=amqp_events.exchange,
+                routing_key=ROUTING_KEY,
+                properties=encoded._serialize_properties(),
+                body=body,
+            )
 
         with_events = self._send_sent_event
 
@@ -754,24 +398,34 @@ class KombuDispatcher(Dispatcher):
             producer,
             mode=self._settings.fast_publish,
             # Task-sent events on the Redis path need our own encoder of them.
-            redis_eligible=self._batching and (not with_events or sent_events is not None),
+            redis_eligible=conn.batching and (not with_events or sent_events is not None),
             samples=self._samples(),
             reply_to=self._reply_to,
             redis_fast=redis_fast,
             amqp_fast=amqp_fast,
             sent_event_kombu=sent_event_kombu if with_events else None,
             sent_event_fast=sent_event_fast if with_events else None,
+            amqp_event_fast=amqp_event_fast if amqp_events is not None else None,
         )
         self._path = self.publish_path = choice.path
+        if not choice.sent_events:
+            self._amqp_events = None
+        if with_events:
+            self.sent_events_path = choice.path if choice.sent_events else PublishPath.KOMBU
+        # What goes through Kombu: everything, or the task-sent events only.
+        what = "" if choice.path is PublishPath.KOMBU else "task-sent events "
         if choice.warn and choice.reason not in self._warned:
             self._warned.add(choice.reason)
             logger.warning(
-                "publishing to %s through Kombu's producer, not the fast path: %s",
+                "publishing %sto %s through Kombu's producer, not the fast path: %s",
+                what,
                 self._url,
                 choice.reason,
             )
         elif choice.reason:
-            logger.debug("publishing to %s through Kombu's producer: %s", self._url, choice.reason)
+            logger.debug(
+                "publishing %sto %s through Kombu's producer: %s", what, self._url, choice.reason
+            )
         else:
             logger.debug("publishing to %s by the %s fast path", self._url, choice.path)
 
@@ -807,7 +461,7 @@ class KombuDispatcher(Dispatcher):
         ]
 
     @staticmethod
-    def _sample_message(sample: Sample) -> _Message:
+    def _sample_message(sample: Sample) -> OutgoingMessage:
         route = Route(
             exchange="",
             routing_key=sample.routing_key,
@@ -816,7 +470,7 @@ class KombuDispatcher(Dispatcher):
             priority=sample.priority,
             declare=None,
         )
-        return _Message(
+        return OutgoingMessage(
             uuid.UUID(sample.task_id),
             sample.task_id,
             sample.body,
@@ -829,25 +483,16 @@ class KombuDispatcher(Dispatcher):
         )
 
     def _reset(self) -> None:
-        producer, connection, events = self._producer, self._connection, self._events
-        self._producer = self._connection = self._events = None
+        conn = self._conn
+        self._conn = None
         self._sent_events = None
-        self._declared = set()
-        self._exchanges_seen = set()
-        if events is not None:
-            with contextlib.suppress(Exception):
-                events.close()
-        if producer is not None:
-            with contextlib.suppress(Exception):
-                producer.channel.close()
-        if connection is not None:
-            # A broken socket can fail on close; the connection is dropped anyway.
-            with contextlib.suppress(Exception):
-                connection.release()
+        self._amqp_events = None
+        if conn is not None:
+            conn.close()
 
     def _send(
         self,
-        todo: list[_Message],
+        todo: list[OutgoingMessage],
         sent: list[uuid.UUID],
         rejected: dict[uuid.UUID, str],
         allowed: Callable[[], bool],
@@ -868,7 +513,7 @@ class KombuDispatcher(Dispatcher):
 
         A job whose own message cannot be published (not a broker failure)
         goes to ``rejected`` and is skipped by later attempts. A queue or
-        exchange the broker refuses raises :class:`_DestinationFailed` for
+        exchange the broker refuses raises :class:`DestinationFailed` for
         the jobs headed there. Before each chunk ``allowed()`` is asked; on
         ``False`` this returns with the rest left in ``todo``.
 
@@ -876,280 +521,50 @@ class KombuDispatcher(Dispatcher):
         is encoded (once, however often it is retried) and
         ``after_task_publish`` once it counts as sent.
         """
-        done = 0
         already_sent = len(sent)
         path = PublishPath.KOMBU
         try:
-            producer = self._connect()
-            if self._redis_direct(producer, todo):
+            conn = self._connect()
+            if self._path is PublishPath.REDIS and path_redis.eligible(conn, todo):
                 path = PublishPath.REDIS
-                self._send_redis(producer, todo, sent, rejected, allowed, signals=signals)
-                return
-            chunk = self._chunk if self._batching else 1
-            events = self._events if self._send_sent_event else None
-            publish = producer.publish
-            channel = producer.channel
-            direct = self._path is PublishPath.AMQP
-            if direct:
+                path_redis.send(
+                    conn,
+                    todo,
+                    sent,
+                    rejected,
+                    allowed,
+                    signals,
+                    chunk=self._chunk,
+                    reply_to=self._reply_to,
+                    sent_events=self._sent_events if self._send_sent_event else None,
+                )
+            elif self._path is PublishPath.AMQP:
                 path = PublishPath.AMQP
-                basic_publish = channel.basic_publish
-                encode = self._amqp.properties
-                default_mode = producer.exchange.delivery_mode
-            reply_to = self._reply_to
-            declared = self._declared
-            seen = self._exchanges_seen
-            # Publishing to a missing exchange closes the channel, and RabbitMQ
-            # drops what follows on it unread: check such exchanges first.
-            check_exchanges = isinstance(channel, amqp.Channel)
-            total = len(todo)
-            with producer.batch(max_size=_NO_AUTO_FLUSH) as batch:
-                while done < total:
-                    if not allowed():
-                        return
-                    end = min(done + chunk, total)
-                    for index in range(done, end):
-                        message = todo[index]
-                        if rejected and message.job_id in rejected:
-                            continue
-                        route = message.route
-                        entity = route.declare
-                        if (entity is not None and entity not in declared) or (
-                            check_exchanges and route.exchange and route.exchange not in seen
-                        ):
-                            self._declare(channel, route, todo, index, check_exchanges)
-                        try:
-                            if signals is not None and message.announced is None:
-                                _announce(signals, message)
-                            if direct:
-                                # What Kombu's publish sends on py-amqp, byte
-                                # for byte (fast_path checks it per connection).
-                                wire = _amqp_wire(encode, message, default_mode, reply_to)
-                                basic_publish(
-                                    EncodedMessage(message.body, wire),
-                                    exchange=route.exchange,
-                                    routing_key=route.routing_key,
-                                )
-                            else:
-                                properties: dict[str, Any] = {}
-                                if message.expiration is not None:
-                                    properties["expiration"] = max(message.expiration, 0.0)
-                                publish(
-                                    message.body,
-                                    exchange=route.exchange,
-                                    routing_key=route.routing_key,
-                                    content_type=message.content_type,
-                                    content_encoding=message.content_encoding,
-                                    headers=message.headers,
-                                    delivery_mode=route.delivery_mode,
-                                    priority=message.priority,
-                                    correlation_id=message.task_id,
-                                    reply_to=reply_to,
-                                    **properties,
-                                )
-                            if events is not None:
-                                self._send_event(events, producer, message)
-                        except TRANSIENT_ERRORS:
-                            raise
-                        except Exception as exc:
-                            logger.exception(
-                                "cannot publish job %s (task %s)",
-                                message.headers.get(KEY_HEADER),
-                                message.headers.get("task"),
-                            )
-                            rejected[message.job_id] = repr(exc)
-                    try:
-                        batch.flush()
-                    except BatchPublishError as exc:
-                        cause = exc.__cause__
-                        if not isinstance(cause, redis.exceptions.ResponseError) or _server_wide(
-                            cause
-                        ):
-                            raise
-                        # An error reply for one list inside Kombu's pipeline
-                        # cannot be told apart from the rest of the chunk.
-                        raise _DestinationFailed(
-                            [m.job_id for m in todo[done:end] if m.job_id not in rejected],
-                            f"Redis refused a publish batch: {cause}",
-                        ) from exc
-                    _record_sent(todo[done:end], rejected, sent)
-                    if signals is not None:
-                        _announce_sent(todo[done:end], rejected)
-                    done = end
+                path_amqp.send(
+                    conn,
+                    todo,
+                    sent,
+                    rejected,
+                    allowed,
+                    signals,
+                    chunk=self._chunk,
+                    encode=self._amqp.properties,
+                    reply_to=self._reply_to,
+                    sent_events=self._amqp_events,
+                )
+            else:
+                path_kombu.send(
+                    conn,
+                    todo,
+                    sent,
+                    rejected,
+                    allowed,
+                    signals,
+                    chunk=self._chunk if conn.batching else 1,
+                    reply_to=self._reply_to,
+                )
         except TRANSIENT_ERRORS:
             self._reset()
             raise
         finally:
-            del todo[:done]
             self.sent_by_path[path] += len(sent) - already_sent
-
-    def _declare(
-        self,
-        channel: Any,
-        route: Route,
-        todo: list[_Message],
-        index: int,
-        check_exchange: bool = False,
-    ) -> None:
-        """Declare ``route``'s queue or exchange once per connection, so a
-        message to a new queue is not dropped; with ``check_exchange``
-        (RabbitMQ) also check that its exchange exists, since a publish to a
-        missing one closes the channel and what follows on it is dropped.
-
-        An error about this destination (RabbitMQ: NOT_FOUND, ACCESS_REFUSED,
-        PRECONDITION_FAILED for a queue declared with other arguments; Redis:
-        WRONGTYPE, the queue's name holds another type) fails the jobs of
-        ``todo[index:]`` going there, and only those.
-        """
-        entity = route.declare
-        where = f"queue {route.queue!r}" if route.queue else f"exchange {route.exchange!r}"
-        try:
-            if entity is not None and entity not in self._declared:
-                entity.bind(channel).declare()
-                self._declared.add(entity)
-            if check_exchange and route.exchange and route.exchange not in self._exchanges_seen:
-                where = f"exchange {route.exchange!r}"
-                channel.exchange_declare(route.exchange, "direct", passive=True)
-                self._exchanges_seen.add(route.exchange)
-        except (amqp.exceptions.ChannelError, redis.exceptions.ResponseError) as exc:
-            if isinstance(exc, redis.exceptions.ResponseError) and _server_wide(exc):
-                raise
-            if isinstance(exc, amqp.exceptions.RecoverableChannelError):
-                raise  # e.g. a resource locked for now: retried whole
-            raise _DestinationFailed(
-                [m.job_id for m in todo[index:] if m.route == route],
-                f"the broker refused {where}: {type(exc).__name__}: {exc}",
-            ) from exc
-
-    def _redis_direct(self, producer: Any, todo: list[_Message]) -> bool:
-        """Whether ``todo`` can skip Kombu's per-message publish machinery.
-
-        Only where :func:`fast_path.choose` allowed it for the connection
-        (Redis, batch publishing, task-sent events as Kombu would publish
-        them), for messages to the default exchange (the queue
-        is the Redis list), without queue expiry.
-        """
-        if self._path is not PublishPath.REDIS:
-            return False
-        expiring = producer.channel._expires
-        return all(m.route.exchange == "" and m.route.routing_key not in expiring for m in todo)
-
-    def _send_redis(
-        self,
-        producer: Any,
-        todo: list[_Message],
-        sent: list[uuid.UUID],
-        rejected: dict[uuid.UUID, str],
-        allowed: Callable[[], bool],
-        push: Callable[..., dict[str, str]] | None = None,
-        *,
-        signals: PublishSignals | None = None,
-    ) -> None:
-        """Write each chunk as one pipelined ``LPUSH`` per destination list.
-
-        The envelope is exactly what Kombu's Redis transport writes for a
-        ``basic_publish`` to the default exchange (``virtual.Channel.
-        prepare_message`` + ``_inplace_augment_message`` + ``_put``), so a
-        stock worker consumes it; building it here saves most of the
-        per-message Python work (the publish benchmark measures the gain).
-        Multi-value ``LPUSH`` keeps FIFO order: the worker pops from the
-        right. Chunk accounting is the same as in :meth:`_send`; a list
-        Redis refuses (WRONGTYPE) fails only the jobs written to it.
-        ``push`` writes the lists (the start-up comparison records them;
-        default :func:`_push_lists`).
-
-        With task-sent events on, each message's event (:class:`SentEvents`)
-        is ``PUBLISH``ed in the same round trip, after the chunk's
-        ``LPUSH``es: an event never announces a message not yet written.
-        """
-        if push is None:
-            push = _push_lists  # looked up per call, so a test can replace it
-        channel = producer.channel
-        envelope = RedisEnvelopes(self._reply_to).encode
-        declared = self._declared
-        min_priority, max_priority = channel.min_priority, channel.max_priority
-        q_for_pri = channel._q_for_pri
-        keys: dict[tuple[str, int], str] = {}
-        sent_events = self._sent_events if self._send_sent_event else None
-        if sent_events is not None:
-            encode_event = sent_events.encode
-            topics = sent_events.topics
-            forward = sent_events.clock.forward
-        published: list[tuple[str, bytes]] = []
-        offset = 0.0
-        done = 0
-        total = len(todo)
-        try:
-            with channel.conn_or_acquire() as client:
-                while done < total:
-                    if not allowed():
-                        return
-                    end = min(done + self._chunk, total)
-                    lists: dict[str, list[bytes]] = {}
-                    if sent_events is not None:
-                        published = []
-                        offset = utcoffset()
-                    for index in range(done, end):
-                        message = todo[index]
-                        if rejected and message.job_id in rejected:
-                            continue
-                        route = message.route
-                        entity = route.declare
-                        if entity is not None and entity not in declared:
-                            self._declare(channel, route, todo, index)
-                        try:
-                            if signals is not None and message.announced is None:
-                                _announce(signals, message)
-                            priority = message.priority or 0
-                            priority = max(min(int(priority), max_priority), min_priority)
-                            payload = envelope(message, priority)
-                            if sent_events is not None:
-                                event = encode_event(
-                                    message,
-                                    clock=forward(),
-                                    timestamp=time.time(),
-                                    utcoffset=offset,
-                                )
-                                published.extend((topic, event) for topic in topics)
-                        except (TypeError, ValueError) as exc:
-                            logger.exception(
-                                "cannot encode job %s (task %s)",
-                                message.headers.get(KEY_HEADER),
-                                message.headers.get("task"),
-                            )
-                            rejected[message.job_id] = f"cannot encode the message: {exc!r}"
-                            continue
-                        list_key = (route.routing_key, priority)
-                        key = keys.get(list_key)
-                        if key is None:
-                            key = keys[list_key] = q_for_pri(route.routing_key, priority)
-                        payloads = lists.get(key)
-                        if payloads is None:
-                            lists[key] = [payload]
-                        else:
-                            payloads.append(payload)
-                    if published:
-                        refused = push(client, lists, published)
-                    else:
-                        refused = push(client, lists) if lists else {}
-                    if refused:
-                        # Rare: attribute each job of the chunk to its list.
-                        for index in range(done, end):
-                            message = todo[index]
-                            if message.job_id in rejected:
-                                continue
-                            priority = message.priority or 0
-                            priority = max(min(int(priority), max_priority), min_priority)
-                            why = refused.get(keys[(message.route.routing_key, priority)])
-                            if why is not None:
-                                rejected[message.job_id] = why
-                    _record_sent(todo[done:end], rejected, sent)
-                    if signals is not None:
-                        _announce_sent(todo[done:end], rejected)
-                    done = end
-        finally:
-            del todo[:done]
-
-    def _send_event(
-        self, events: Any, producer: Any, message: _Message, event: Callable[..., Any] = Event
-    ) -> None:
-        events.publish("task-sent", _sent_fields(message), producer, Event=event)

@@ -28,7 +28,7 @@ from celery import Celery
 from kombu.serialization import dumps
 from kombu.utils.encoding import safe_repr
 
-from celery_sched.dispatch import kombu as kombu_dispatch
+from celery_sched.dispatch import path_redis
 from celery_sched.dispatch.fast_path import PublishPath
 from celery_sched.dispatch.kombu import KombuDispatcher
 from celery_sched.models import Job, JobStatus
@@ -321,7 +321,7 @@ def test_failed_flush_midway_republishes_only_unconfirmed_chunks(
         app, Settings(redis_url=redis_url, retry_backoff=0.01), chunk=2, sleep=lambda _: None
     )
     calls = {"n": 0}
-    real_push = kombu_dispatch._push_lists
+    real_push = path_redis.push_lists
 
     def flaky_push(client: Any, lists: dict[str, list[bytes]]) -> None:
         calls["n"] += 1
@@ -329,7 +329,7 @@ def test_failed_flush_midway_republishes_only_unconfirmed_chunks(
             raise redis.exceptions.ConnectionError("connection reset")
         real_push(client, lists)
 
-    monkeypatch.setattr(kombu_dispatch, "_push_lists", flaky_push)
+    monkeypatch.setattr(path_redis, "push_lists", flaky_push)
     jobs = [make_job(RECORD_TASK, (i,)) for i in range(6)]
     client = redis.Redis.from_url(redis_url)
     try:

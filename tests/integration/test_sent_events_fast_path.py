@@ -82,6 +82,7 @@ def test_task_sent_events_are_sent_by_the_redis_fast_path(app: Celery, unique_na
     try:
         events = capture_sent(app, len(jobs), publish)
         assert dispatcher.publish_path is PublishPath.REDIS
+        assert dispatcher.sent_events_path is PublishPath.REDIS
         assert dispatcher.sent_by_path == {PublishPath.REDIS: len(jobs)}
     finally:
         dispatcher.close()
@@ -132,6 +133,7 @@ def test_an_event_differing_from_kombus_falls_back_with_a_warning(
         finally:
             dispatcher.close()
     assert dispatcher.publish_path is PublishPath.KOMBU
+    assert dispatcher.sent_events_path is PublishPath.KOMBU
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "task-sent event" in warnings[0]

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from kombu import Connection, Producer
 
-from celery_sched.dispatch.kombu import Route, _Message
+from celery_sched.dispatch.outgoing import OutgoingMessage
+from celery_sched.dispatch.routing import Route
 from celery_sched.protocol import RedisEnvelopes
 
 
@@ -24,7 +25,7 @@ def route(queue: str, delivery_mode: int | None = 2) -> Route:
     )
 
 
-def kombu_envelope(message: _Message, priority: int, reply_to: str) -> dict[str, Any]:
+def kombu_envelope(message: OutgoingMessage, priority: int, reply_to: str) -> dict[str, Any]:
     """What Kombu's virtual transport stores for the same publish."""
     with Connection("memory://") as conn:
         channel = conn.channel()
@@ -51,7 +52,7 @@ def kombu_envelope(message: _Message, priority: int, reply_to: str) -> dict[str,
         return stored
 
 
-def message(route: Route, **fields: Any) -> _Message:
+def message(route: Route, **fields: Any) -> OutgoingMessage:
     task_id = str(uuid.uuid4())
     values: dict[str, Any] = {
         "job_id": uuid.UUID(task_id),
@@ -65,7 +66,7 @@ def message(route: Route, **fields: Any) -> _Message:
         "expiration": None,
     }
     values.update(fields)
-    return _Message(**values)
+    return OutgoingMessage(**values)
 
 
 @pytest.mark.parametrize(
