@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from celery_sched.errors import CelerySchedError
@@ -31,13 +31,17 @@ def call_with_retry(
     backoff: float = 0.25,
     max_delay: float = 5.0,
     sleep: Callable[[float], None] = time.sleep,
+    delays: Iterable[float] | None = None,
 ) -> T:
     """Call ``fn``; on a ``transient`` exception retry up to ``attempts`` times.
 
     The delay starts at ``backoff`` seconds and doubles, capped at
-    ``max_delay``. When every attempt failed, raise ``translate(exc)`` from the
-    last exception. Non-transient exceptions propagate at once.
+    ``max_delay``; or, given ``delays``, each retry waits the next of them
+    (the last one again once they run out). When every attempt failed, raise
+    ``translate(exc)`` from the last exception. Non-transient exceptions
+    propagate at once.
     """
+    given = None if delays is None else iter(delays)
     delay = backoff
     for attempt in range(1, attempts + 1):
         try:
@@ -45,6 +49,8 @@ def call_with_retry(
         except transient as exc:
             if attempt == attempts:
                 raise translate(exc) from exc
+            if given is not None:
+                delay = next(given, delay)
             logger.warning(
                 "%s failed (attempt %d/%d) against %s: %s: %s; retrying in %.2fs",
                 what,
@@ -56,7 +62,8 @@ def call_with_retry(
                 delay,
             )
             sleep(delay)
-            delay = min(delay * 2, max_delay)
+            if given is None:
+                delay = min(delay * 2, max_delay)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -36,11 +36,12 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import amqp
 from celery.app.defaults import DEFAULTS
+from kombu.utils.functional import fxrange
 
 from celery_sched.dispatch import fast_path, path_amqp, path_kombu, path_redis
 from celery_sched.dispatch.amqp_wire import PropertiesEncoder
@@ -68,29 +69,42 @@ from celery_sched.settings import Settings, sanitize_url
 logger = logging.getLogger(__name__)
 
 
-def _retry_schedule(conf: Any, settings: Settings) -> tuple[int, float, float]:
-    """``(attempts, first delay, longest delay)`` of a publish.
+def _retry_schedule(conf: Any, settings: Settings) -> tuple[int, tuple[float, float, float] | None]:
+    """``(attempts, policy)`` of a publish; ``policy`` is ``None`` or the
+    ``(interval_start, interval_step, interval_max)`` the delays follow.
 
-    The settings' ``connect_retries`` and ``retry_backoff`` (delays
-    doubling up to 5 s), unless the app's ``task_publish_retry_policy``
+    The settings' ``connect_retries`` and ``retry_backoff`` (delays doubling
+    up to 5 s, ``policy`` None) unless the app's ``task_publish_retry_policy``
     differs from Celery's default: then ``max_retries + 1`` attempts (the
-    settings' when ``max_retries`` is None, which Celery reads as forever),
-    the first delay ``interval_start`` (``interval_step`` when that is 0),
-    doubling up to ``interval_max``; missing keys take Celery's defaults.
-    ``task_publish_retry = False`` makes one attempt.
+    settings' when ``max_retries`` is None, which Celery reads as forever)
+    and the delays Kombu sleeps between them (:func:`_policy_delays`);
+    missing keys take Celery's defaults. ``task_publish_retry = False``
+    makes one attempt.
     """
     if not conf.task_publish_retry:
-        return 1, 0.0, 0.0
+        return 1, None
     policy = conf.task_publish_retry_policy
     default = DEFAULTS["task_publish_retry_policy"]
     if not policy or policy == default:
-        return settings.connect_retries, settings.retry_backoff, 5.0
+        return settings.connect_retries, None
     merged = {**default, **policy}
     max_retries = merged["max_retries"]
     attempts = settings.connect_retries if max_retries is None else int(max_retries) + 1
-    longest = max(float(merged["interval_max"]), 0.0)
-    first = float(merged["interval_start"]) or float(merged["interval_step"])
-    return max(attempts, 1), min(max(first, 0.0), longest), longest
+    intervals = (
+        max(float(merged["interval_start"]), 0.0),
+        max(float(merged["interval_step"]), 0.0),
+        max(float(merged["interval_max"]), 0.0),
+    )
+    return max(attempts, 1), intervals
+
+
+def _policy_delays(start: float, step: float, longest: float) -> Iterator[float]:
+    """The seconds Kombu waits before each retry of a publish under a retry
+    policy (``Connection.ensure`` reconnecting through ``retry_over_time``):
+    ``interval_start``, then ``interval_step`` more each time, within
+    ``interval_max``."""
+    for value in fxrange(start, longest + start, step, repeatlast=True):
+        yield min(value, longest)
 
 
 class KombuDispatcher(Dispatcher):
@@ -118,7 +132,8 @@ class KombuDispatcher(Dispatcher):
         conf = app.conf
         self._send_sent_event = bool(conf.task_send_sent_event)
         self._retry_policy: dict[str, Any] = dict(conf.task_publish_retry_policy or {})
-        self._attempts, self._backoff, self._max_delay = _retry_schedule(conf, settings)
+        self._attempts, self._intervals = _retry_schedule(conf, settings)
+        self._backoff = settings.retry_backoff
         # Like ``send_task``: results of a scheduled job, if any consumer
         # wants them over RPC, are addressed to this process.
         self._reply_to: str = app.thread_oid
@@ -176,7 +191,7 @@ class KombuDispatcher(Dispatcher):
                     url=self._url,
                     attempts=self._attempts,
                     backoff=self._backoff,
-                    max_delay=self._max_delay,
+                    delays=None if self._intervals is None else _policy_delays(*self._intervals),
                     sleep=self._sleep,
                 )
             except DestinationFailed as exc:

@@ -257,10 +257,16 @@ def unreachable(policy: dict[str, Any] | None, **conf: Any) -> Celery:
     [
         ({"max_retries": 1, "interval_start": 0.03, "interval_max": 1}, {}, [0.03]),
         ({"max_retries": 0}, {}, []),
+        # Kombu's own delays: start, then a step more each time within the max.
         (
-            {"max_retries": 3, "interval_start": 0, "interval_step": 0.02, "interval_max": 0.03},
+            {"max_retries": 4, "interval_start": 0, "interval_step": 0.02, "interval_max": 0.05},
             {},
-            [0.02, 0.03, 0.03],
+            [0.0, 0.02, 0.04, 0.04],
+        ),
+        (
+            {"max_retries": 4, "interval_start": 0.01, "interval_step": 0.02, "interval_max": 0.04},
+            {},
+            [0.01, 0.03, 0.04, 0.04],
         ),
         ({"max_retries": 1}, {"task_publish_retry": False}, []),
     ],
