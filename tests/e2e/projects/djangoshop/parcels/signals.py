@@ -1,0 +1,47 @@
+"""Publish hooks: a tracing header on every message, and a log of every send."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from celery.signals import after_task_publish, before_task_publish
+from django.conf import settings
+
+
+def _log(entry: dict[str, Any]) -> None:
+    entry["at"] = time.time()
+    with open(settings.SHOP_PUBLISH_LOG, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+@before_task_publish.connect
+def add_origin_header(
+    sender: str | None = None, headers: dict[str, Any] | None = None, **kwargs: Any
+) -> None:
+    assert headers is not None
+    headers["x_origin"] = f"{socket.gethostname()}:{os.getpid()}"
+    _log({"signal": "before", "task": sender, "id": headers["id"], "pid": os.getpid()})
+
+
+@after_task_publish.connect
+def log_sent(
+    sender: str | None = None,
+    headers: dict[str, Any] | None = None,
+    routing_key: str | None = None,
+    **kwargs: Any,
+) -> None:
+    assert headers is not None
+    _log(
+        {
+            "signal": "after",
+            "task": sender,
+            "id": headers["id"],
+            "pid": os.getpid(),
+            "routing_key": routing_key,
+            "published_by": headers.get("x_origin"),
+        }
+    )

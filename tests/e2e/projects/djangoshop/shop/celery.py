@@ -1,0 +1,13 @@
+"""The Celery app of the Django project, as Celery's "First steps with Django" writes it."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+
+app = Celery("shop")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
