@@ -10,7 +10,7 @@ with nothing of celery_sched in them:
   the environment.
 - ``djangoshop``: a Django project whose Celery app reads
   ``config_from_object("django.conf:settings", namespace="CELERY")``, with
-  ``CELERY_BEAT_SCHEDULE`` in ``settings.py``, on Redis; ``settings.py``
+  ``CELERY_BEAT_SCHEDULE`` in ``tests/e2e/projects/djangoshop/shop/settings.py``, on Redis, which
   reads ``CELERY_SCHED_DATABASE_URL`` / ``CELERY_SCHED_REDIS_URL`` from the
   environment.
 

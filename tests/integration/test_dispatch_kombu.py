@@ -238,18 +238,22 @@ def test_task_sent_events_name_the_scheduler(
     publisher_app.conf.task_send_sent_event = True
     events: list[dict[str, Any]] = []
     ready = threading.Event()
+    listening = threading.Event()
     with publisher_app.connection_for_read() as conn:
 
-        def on_sent(event: dict[str, Any]) -> None:
+        def on_event(event: dict[str, Any]) -> None:
+            if event.get("type") == "celery-sched-probe":
+                listening.set()
+                return
+            if event.get("type") != "task-sent":
+                return
             events.append(event)
             # capture(limit=...) would count every event on the exchange,
             # heartbeats of other workers included; stop on ours only.
             if len(events) >= 3:
                 receiver.should_stop = True
 
-        receiver = publisher_app.events.Receiver(
-            conn, handlers={"task-sent": on_sent}, queue_ttl=60
-        )
+        receiver = publisher_app.events.Receiver(conn, handlers={"*": on_event}, queue_ttl=60)
         receiver.on_consume_ready = lambda *a, **kw: ready.set()  # type: ignore[method-assign]
         errors: list[BaseException] = []
 
@@ -262,7 +266,13 @@ def test_task_sent_events_name_the_scheduler(
         thread = threading.Thread(target=capture, daemon=True)
         thread.start()
         assert ready.wait(10)
-        time.sleep(1.0)  # the Redis fanout subscribes on the first poll
+        # The Redis fanout subscribes on the receiver's first poll, and an
+        # event published before that is gone: probe until one arrives.
+        with publisher_app.events.default_dispatcher() as probe:
+            deadline = time.monotonic() + 15
+            while not listening.wait(0.2):
+                assert time.monotonic() < deadline, "the event receiver never listened"
+                probe.send("celery-sched-probe")
 
         settings = Settings(redis_url=redis_url, hostname="celery_sched@events-test")
         dispatcher = KombuDispatcher(publisher_app, settings)
