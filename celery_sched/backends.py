@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import threading
@@ -120,6 +121,19 @@ def build_leader(
         planner=Planner(store, settings, app=app, static=static),
         ledger=build_ledger(settings, store),
     )
+
+
+def build_probes(settings: Settings, *, timeout: float) -> dict[str, Callable[[], None]]:
+    """The readiness checks of ``settings``' services, by name: each connects
+    once (no retries, waiting about ``timeout`` seconds) and raises a
+    :class:`~celery_sched.errors.CelerySchedError` when its service does not answer."""
+    from celery_sched.staging.redis import probe as probe_redis
+    from celery_sched.store.postgres.connection import probe as probe_postgres
+
+    return {
+        "postgresql": functools.partial(probe_postgres, settings, timeout=timeout),
+        "redis": functools.partial(probe_redis, settings.redis_url, timeout=timeout),
+    }
 
 
 # -- the worker side -----------------------------------------------------------------

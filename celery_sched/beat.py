@@ -62,6 +62,7 @@ class Scheduler(beat.Scheduler):
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self._engine: Any = None
+        self._metrics: Any = None
         self._settings: Settings | None = None
         super().__init__(app, *args, **kwargs)
 
@@ -91,6 +92,7 @@ class Scheduler(beat.Scheduler):
             raise
         self._engine = build_leader(self.app, settings, store=store, static=static)
         self._engine.start()
+        self._serve_metrics(settings)
         logger.info(
             "celery_sched: shard %d competing for the lease (store %s, redis %s); "
             "%d periodic schedules in code",
@@ -99,6 +101,19 @@ class Scheduler(beat.Scheduler):
             settings.safe_redis_url,
             len(static),
         )
+
+    def _serve_metrics(self, settings: Settings) -> None:
+        """``/metrics``, ``/healthz`` and ``/readyz`` on ``celery_sched_metrics_port``."""
+        if not settings.metrics_port or self._metrics is not None:
+            return
+        try:
+            from celery_sched.metrics.beat import serve
+
+            self._metrics = serve(self._engine, settings)
+        except Exception:
+            # (serve() logs and swallows its own failures; this is the
+            # last guard: the beat must never die from its metrics.)
+            logger.exception("celery_sched: metrics not served")
 
     def _static_specs(self) -> list[Any]:
         """The code's periodic schedules, plus ``celery.backend_cleanup`` where
@@ -146,6 +161,12 @@ class Scheduler(beat.Scheduler):
         """Nothing to persist: every state change is already in Postgres."""
 
     def close(self) -> None:
+        metrics, self._metrics = self._metrics, None
+        if metrics is not None:
+            try:
+                metrics.close()
+            except Exception:
+                logger.exception("celery_sched: closing the metrics server failed")
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.stop()
@@ -166,6 +187,10 @@ class Scheduler(beat.Scheduler):
         else:
             lines.insert(0, "    . role -> not started")
         lines.append(f"    . schedules -> {self._schedule_count()}")
+        if settings.metrics_port:
+            lines.append(
+                f"    . metrics -> port {settings.metrics_port} (/metrics, /healthz, /readyz)"
+            )
         return "\n".join(lines)
 
     def _schedule_count(self) -> str:

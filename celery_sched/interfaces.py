@@ -130,6 +130,14 @@ class Jobs(StoreLifecycle):
     def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
         """Number of jobs per UTC hour of ``due_at``, optionally for one status."""
 
+    @abc.abstractmethod
+    def oldest_due_pending(self, *, shard: int) -> dt.datetime | None:
+        """The due time of the oldest ``pending`` job of ``shard`` that is due
+        by the store's clock, or ``None`` when none is (the backlog).
+
+        Cheap at any table size: it reads the first entry of the pending index.
+        """
+
     # -- user transitions ---------------------------------------------------
 
     @abc.abstractmethod

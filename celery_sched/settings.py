@@ -175,6 +175,16 @@ class Settings:
         "transport, the kombu and amqp versions and a start-up comparison with Kombu's output "
         "allow it (else Kombu's publish, with a warning); `off`: always Kombu's publish.",
     )
+    metrics_port: int = _field(
+        0,
+        "TCP port on which each beat serves `/metrics` (Prometheus), `/healthz` and `/readyz`, "
+        "on every interface; 0 serves nothing.",
+    )
+    worker_metrics_port: int = _field(
+        0,
+        "TCP port on which a worker's main process serves `/metrics` for its processes "
+        "(prometheus_client multiprocess mode); 0 serves nothing.",
+    )
     # Not a setting: where each value was read from (see ``origin``).
     _origins: Mapping[str, str] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -217,6 +227,12 @@ class Settings:
             raise ConfigurationError(
                 f"celery_sched_fast_publish must be 'auto' or 'off', got {self.fast_publish!r}"
             )
+        for name in ("metrics_port", "worker_metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigurationError(
+                    f"celery_sched_{name} must be a TCP port (1-65535) or 0 (off), "
+                    f"got {getattr(self, name)}"
+                )
         if not self.hostname:
             object.__setattr__(self, "hostname", f"celery_sched@{socket.gethostname()}")
 

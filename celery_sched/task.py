@@ -69,6 +69,7 @@ from celery_sched.errors import (
     InvalidJob,
     LedgerConflict,
 )
+from celery_sched.metrics import worker as worker_metrics
 from celery_sched.models import ClaimOutcome, JobStatus
 from celery_sched.protocol import (
     ATTEMPT_HEADER,
@@ -328,6 +329,7 @@ class Task(celery.Task[..., Any]):
         except CelerySchedError as exc:
             # Without the ledger nobody can tell whether this already ran:
             # wait for the database rather than run blind or give up.
+            worker_metrics.count_outcome(worker_metrics.UNAVAILABLE)
             delay = min(MAX_UNAVAILABLE_DELAY, runtime.lease / 3 * 2 ** min(request.retries, 6))
             logger.warning(
                 "task %s[%s]: idempotency ledger unavailable (%s); retrying in %.1fs",
@@ -337,6 +339,7 @@ class Task(celery.Task[..., Any]):
                 delay,
             )
             self._retry_later(request, exc, delay)
+        worker_metrics.count_outcome(claim.outcome.value)
         if claim.adopted is not None:
             # This older copy took the job over (nobody had started it since
             # its requeue): it is the job's current attempt from now on, for

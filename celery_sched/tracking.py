@@ -57,6 +57,7 @@ from celery.utils.time import maybe_iso8601
 
 from celery_sched import backends, fence
 from celery_sched.errors import SchemaMissing, StoreUnavailable
+from celery_sched.metrics import worker as worker_metrics
 from celery_sched.models import REPORT_RETRY_IN_LIMIT, JobStatus, WorkerUpdate
 from celery_sched.protocol import request_attempt, request_job_id
 
@@ -79,9 +80,12 @@ def install(app: Any, store: JobStore | None = None) -> None:
     # Workers skip deliveries whose job moved on (celery_sched.fence).
     fence.install(app)
     signals.task_failure.connect(_on_failure, weak=False)
+    signals.worker_init.connect(_on_worker_init, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.worker_process_shutdown.connect(flush_all, weak=False)
+    signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
     signals.worker_shutdown.connect(flush_all, weak=False)
+    signals.worker_shutdown.connect(_on_worker_shutdown, weak=False)
     atexit.register(flush_all)
 
 
@@ -328,6 +332,8 @@ class StatusWriter:
                 ok = self.flush()
                 with self._cond:
                     self._failing = not ok
+                    held = len(self._pending)
+                worker_metrics.reports_held(held)
             except Exception:
                 # Nothing may end this thread: every later report of the
                 # process would queue for ever.
@@ -366,15 +372,48 @@ def tracked_tasks(app: Any) -> list[str]:
     return sorted(name for name in app.tasks if not name.startswith("celery."))
 
 
+def _installed_app(sender: Any) -> Any:
+    """The app of a worker signal's sender, if it installed tracking."""
+    app = getattr(sender, "app", None)
+    if app is None or __name__ not in backends.worker_side(app).installed:
+        return None
+    return app
+
+
+def _metrics_port(app: Any) -> int:
+    try:
+        return backends.worker_side(app).settings.worker_metrics_port
+    except Exception:
+        logger.exception("celery_sched: cannot read the settings; no worker metrics")
+        return 0
+
+
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    # Before the pool forks: its processes count into the same directory.
+    app = _installed_app(sender)
+    if app is not None:
+        worker_metrics.setup(_metrics_port(app))
+
+
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     # The worker's main process beats from its start, listing the tracked
     # tasks, so the reconciler requeues their lost messages even before any
     # job ran here.
-    app = getattr(sender, "app", None)
+    app = _installed_app(sender)
     hostname = getattr(sender, "hostname", None)
-    if app is None or not hostname or __name__ not in backends.worker_side(app).installed:
+    if app is None:
         return
-    writer_for(app).watch(str(hostname))
+    worker_metrics.serve(_metrics_port(app))
+    if hostname:
+        writer_for(app).watch(str(hostname))
+
+
+def _on_process_shutdown(**_: Any) -> None:
+    worker_metrics.process_exiting()
+
+
+def _on_worker_shutdown(**_: Any) -> None:
+    worker_metrics.shutdown()
 
 
 def flush_all(**_: Any) -> None:

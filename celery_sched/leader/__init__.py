@@ -19,6 +19,8 @@ One module per duty, each with its interval and what its failure does:
 - :mod:`~celery_sched.leader.rescuer`: rescuing the running jobs of worker
   processes that died.
 - :mod:`~celery_sched.leader.housekeeping`: pruning what outlived its retention.
+- :mod:`~celery_sched.leader.backlog`: reading the job counts, the backlog's
+  age and the staging set's size for the gauges of :mod:`celery_sched.metrics`.
 - :mod:`~celery_sched.leader.clock` and :mod:`~celery_sched.leader.stats`:
   the store's time as the leader estimates it, and the counters.
 

@@ -16,6 +16,7 @@ reconciler, or are released (see :mod:`celery_sched.leader.publishing`).
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from celery_sched.leader.clock import StoreClock
     from celery_sched.leader.publishing import Publisher
     from celery_sched.leader.staging import Stager
+    from celery_sched.leader.stats import EngineStats
     from celery_sched.lease.elector import LeaderElector
     from celery_sched.settings import Settings
 
@@ -44,6 +46,7 @@ class Claimer:
         stager: Stager,
         publisher: Publisher,
         clock: Callable[[], float],
+        stats: EngineStats,
     ) -> None:
         self._store = store
         self._staging = staging
@@ -52,6 +55,7 @@ class Claimer:
         self._stager = stager
         self._publisher = publisher
         self._clock = clock
+        self._claim_seconds = stats.claim_seconds
         self._shard = settings.shard
         self._max_tick = settings.max_tick
         #: Most ids popped and claimed per pass.
@@ -74,6 +78,8 @@ class Claimer:
             return False
         if not ids:
             return False
+        started = time.perf_counter()
         jobs = self._store.claim_ids(ids, shard=self._shard, epoch=epoch)
+        self._claim_seconds.observe(time.perf_counter() - started)
         self._publisher.publish(jobs, epoch)
         return len(ids) >= self.batch_size

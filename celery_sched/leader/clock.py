@@ -43,6 +43,10 @@ class StoreClock:
         at, store_time = self._base
         return store_time + dt.timedelta(seconds=max(0.0, self._clock() - at))
 
+    def monotonic(self) -> float:
+        """The local monotonic clock this one extrapolates with."""
+        return self._clock()
+
     def measure(self) -> dt.datetime:
         """Read the store's time now and extrapolate from it from here on."""
         store_time = self._store.now()

@@ -1,4 +1,4 @@
-"""The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune.
+"""The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune -> backlog.
 
 One :class:`Engine` runs in each beat process. All of them compete for the
 shard's lease through a :class:`~celery_sched.lease.elector.LeaderElector`
@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_sched.errors import CelerySchedError, StagingUnavailable, StaleEpoch
+from celery_sched.leader.backlog import Backlog, BacklogReader
 from celery_sched.leader.claiming import Claimer
 from celery_sched.leader.clock import StoreClock
 from celery_sched.leader.housekeeping import Housekeeper
@@ -93,6 +94,7 @@ class Engine:
         self._clock = clock
         self._wall = wall
         self._epoch: int | None = None
+        self._last_epoch = 0
         self._backoff = 0.0
         # The duties' timers: monotonic times at which each is next due.
         self._next_stage = 0.0
@@ -101,8 +103,11 @@ class Engine:
         self._next_plan = 0.0
         self._next_housekeeping = 0.0
         self._next_rescue = 0.0
+        self._next_backlog = 0.0
 
         stats = self.stats
+        # Alive from the start: the first pass has not had its chance yet.
+        stats.progress_at = clock()
         self._store_clock = StoreClock(store, clock)
         publisher = Publisher(
             store=store,
@@ -135,6 +140,7 @@ class Engine:
             stager=self._stager,
             publisher=publisher,
             clock=clock,
+            stats=stats,
         )
         self._sweeper = Sweeper(
             store=store,
@@ -142,6 +148,7 @@ class Engine:
             settings=settings,
             publisher=publisher,
             claimer=self._claimer,
+            stats=stats,
         )
         self._planning = (
             None
@@ -153,6 +160,13 @@ class Engine:
         self._reconciler = Reconciler(store, settings, stats)
         self._rescuer = Rescuer(store, settings, stats)
         self._housekeeper = Housekeeper(store, settings, stats, ledger)
+        self._backlog = BacklogReader(
+            store=store,
+            staging=staging,
+            settings=settings,
+            store_clock=self._store_clock,
+            clock=clock,
+        )
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -165,6 +179,7 @@ class Engine:
         try:
             self.elector.stop()
         finally:
+            self._backlog.close()
             self._sweeper.close()
             self.dispatcher.close()
 
@@ -175,6 +190,21 @@ class Engine:
     @property
     def epoch(self) -> int | None:
         return self._epoch
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch of the last lease this engine held (0: none yet)."""
+        return self._last_epoch
+
+    @property
+    def backlog(self) -> Backlog:
+        """The leader's last reading of the backlog (empty while standing by)."""
+        return self._backlog.last
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last showed progress: a pass ended, or a
+        batch of a long pass went out."""
+        return max(0.0, self._clock() - self.stats.progress_at)
 
     def store_now(self) -> dt.datetime:
         """Best estimate of the store's clock that never runs ahead of it."""
@@ -194,6 +224,8 @@ class Engine:
             # Outside any one duty (a bug, a bad row read by the loop itself):
             # the loop must outlive it, or every beat in turn would exit.
             return self._failed("pass", exc)
+        finally:
+            self.stats.progress_at = self._clock()
 
     def _step(self) -> float:
         lease = self.elector.current()
@@ -251,9 +283,10 @@ class Engine:
             return False, None
 
     def _elected(self, epoch: int) -> None:
-        self._epoch = epoch
+        self._epoch = self._last_epoch = epoch
         self._stager.rewind()
         self._next_stage = self._next_sweep = self._next_reconcile = self._next_plan = 0.0
+        self._next_backlog = 0.0
         if self._planning is not None:
             self._planning.elected()
         self.stats.elections += 1
@@ -263,6 +296,7 @@ class Engine:
         logger.warning("shard %d: stepping down (%s)", self.shard, why)
         self._epoch = None
         self._stager.rewind()
+        self._backlog.forget()
         self.stats.step_downs += 1
 
     def _sweep_by(self, deadline: float) -> None:
@@ -318,6 +352,12 @@ class Engine:
             self._next_housekeeping = now + self._housekeeper.interval
             clean = clean and ok
             timings.append(("prune", self._clock()))
+        if now >= self._next_backlog:
+            # Only read for the gauges, on a thread of its own: a failure is
+            # logged and counted but does not hold dispatching back.
+            self._duty("backlog", self._backlog.run)
+            self._next_backlog = now + self._backlog.interval
+            timings.append(("backlog", self._clock()))
         if timings and timings[-1][1] - now > SLOW_PASS:
             # A slow pass delays every job due meanwhile; say where it went.
             parts, start = [], now

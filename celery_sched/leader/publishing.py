@@ -85,16 +85,33 @@ class Publisher:
         # A leader paused between claim and publish for longer than its
         # lease must not publish: a successor may have requeued and sent
         # these jobs already. Checked before every chunk.
-        result = self._dispatcher.publish(
-            jobs, epoch=epoch, now=now, may_publish=lambda: self.holds(epoch)
-        )
-        # (Should publish itself raise, which jobs went out is unknown: they
-        # stay dispatched, and the reconciler requeues them with an attempt
-        # counted, so a batch that always breaks the dispatcher ends dead
-        # instead of being claimed again at once, forever.)
-        self._stats.published += len(result.sent)
+        stats = self._stats
+        try:
+            result = self._dispatcher.publish(
+                jobs, epoch=epoch, now=now, may_publish=lambda: self.holds(epoch)
+            )
+        except Exception:
+            # Which jobs went out is unknown: they stay dispatched, and the
+            # reconciler requeues them with an attempt counted, so a batch
+            # that always breaks the dispatcher ends dead instead of being
+            # claimed again at once, forever.
+            stats.count(stats.publish_failures, "error", len(jobs))
+            raise
+        sent = result.sent
+        stats.published += len(sent)
+        if sent:
+            # Once per batch: when the batch's publish returned, by the
+            # store's clock.
+            if len(sent) == len(jobs):
+                dues = [job.due_at for job in jobs]
+            else:
+                ids = set(sent)
+                dues = [job.due_at for job in jobs if job.id in ids]
+            stats.dispatch_lag.observe_lags(self._store_clock.now(), dues)
+            stats.progress_at = self._store_clock.monotonic()
         if result.withheld:
-            self._stats.withheld += len(result.withheld)
+            stats.withheld += len(result.withheld)
+            stats.count(stats.publish_failures, "withheld", len(result.withheld))
             logger.warning(
                 "shard %d: the lease of epoch %d ran out while publishing; %d jobs left "
                 "dispatched for the next leader's reconciler",
@@ -108,8 +125,10 @@ class Publisher:
         if result.expired:
             self.settle("expire", result.expired, epoch)
         if result.rejected:
+            stats.count(stats.publish_failures, "rejected", len(result.rejected))
             self._fail(result.rejected, epoch)
         if result.failed:
+            stats.count(stats.publish_failures, "broker", len(result.failed))
             logger.warning("%d jobs failed to publish; releasing them", len(result.failed))
             self.settle("release", result.failed, epoch)
             # The broker is down: back off (step() does) instead of claiming
@@ -148,6 +167,7 @@ class Publisher:
             return
         self._stats.rejected += result.requeued + result.dead
         self._stats.dead += result.dead
+        self._stats.count(self._stats.requeued_by, "publish_rejected", result.requeued)
         logger.warning(
             "shard %d: %d jobs could not be published (%d requeued with an attempt counted, "
             "%d dead); first: %s",

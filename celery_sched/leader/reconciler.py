@@ -102,6 +102,7 @@ class Reconciler:
             default_visibility_timeout=self._visibility_timeout,
         )
         self._stats.requeued += result.requeued
+        self._stats.count(self._stats.requeued_by, "reconcile", result.requeued)
         self._stats.dead += result.dead
         self._stats.timed_out += result.timed_out
         self._stats.untracked += result.untracked

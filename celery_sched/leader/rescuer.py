@@ -55,6 +55,7 @@ class Rescuer:
             worker_timeout=self._worker_timeout,
         )
         self._stats.requeued += result.requeued
+        self._stats.count(self._stats.requeued_by, "rescue", result.requeued)
         self._stats.dead += result.dead
         self._stats.rescued += result.rescued
         self._stats.rescued_succeeded += result.succeeded

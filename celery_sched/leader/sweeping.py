@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from celery_sched.interfaces import JobStore
     from celery_sched.leader.claiming import Claimer
     from celery_sched.leader.publishing import Publisher
+    from celery_sched.leader.stats import EngineStats
     from celery_sched.lease.elector import LeaderElector
     from celery_sched.models import Job
     from celery_sched.settings import Settings
@@ -55,11 +57,13 @@ class Sweeper:
         settings: Settings,
         publisher: Publisher,
         claimer: Claimer,
+        stats: EngineStats,
     ) -> None:
         self._store = store
         self._elector = elector
         self._publisher = publisher
         self._claimer = claimer
+        self._claim_seconds = stats.claim_seconds
         self._shard = settings.shard
         #: Seconds between sweeps while there is no backlog.
         self.interval = settings.sweep_interval
@@ -122,7 +126,10 @@ class Sweeper:
         return total
 
     def _claim_batch(self, epoch: int) -> list[Job]:
-        return self._store.claim_due(shard=self._shard, epoch=epoch, limit=self.batch_size)
+        started = time.perf_counter()
+        jobs = self._store.claim_due(shard=self._shard, epoch=epoch, limit=self.batch_size)
+        self._claim_seconds.observe(time.perf_counter() - started)
+        return jobs
 
     def _release_claimed_ahead(self, ahead: Future[list[Job]], epoch: int) -> None:
         # The pass failed while a batch was being claimed ahead: hand those

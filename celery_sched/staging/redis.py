@@ -233,3 +233,20 @@ class RedisStaging(Staging):
                 # is harmless because Postgres, not this set, is the truth.
                 logger.warning("ignoring a staged member that is not a job id in %s", key)
         return ids
+
+
+def probe(url: str, *, timeout: float) -> None:
+    """PING the Redis at ``url`` once, on a connection of its own; raise
+    :class:`StagingUnavailable` if it does not answer within ``timeout`` seconds.
+
+    For the readiness probe: no retries, and nothing shared with the leader.
+    """
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError as exc:
+        raise StagingUnavailable(
+            f"Redis at {sanitize_url(url)} is unavailable: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        client.close()

@@ -306,6 +306,32 @@ def test_due_soon_lists_pending_within_window_oldest_first(store: JobStore) -> N
     assert status_of(store, "overdue") is JobStatus.PENDING
 
 
+# -- oldest_due_pending ------------------------------------------------------------------
+
+
+def test_oldest_due_pending_is_the_oldest_due_pending_job_of_the_shard(store: JobStore) -> None:
+    assert store.oldest_due_pending(shard=0) is None
+    now = store.now()
+    store.add_job(new_job("future", now + 600 * SECOND))
+    assert store.oldest_due_pending(shard=0) is None  # pending but not due
+    store.add_job(new_job("newer", now - 10 * SECOND))
+    store.add_job(new_job("older", now - 40 * SECOND))
+    store.add_job(new_job("cancelled", now - 90 * SECOND))
+    store.cancel("cancelled")
+    store.add_job(new_job("other-shard", now - 300 * SECOND, shard=1))
+
+    oldest = store.oldest_due_pending(shard=0)
+    assert oldest == now - 40 * SECOND
+    assert oldest is not None and oldest.utcoffset() == dt.timedelta(0)
+    assert store.oldest_due_pending(shard=1) == now - 300 * SECOND
+    # Claimed (dispatched) jobs are no longer the backlog.
+    epoch = leader(store)
+    assert [job.key for job in store.claim_due(shard=0, epoch=epoch, limit=1)] == ["older"]
+    assert store.oldest_due_pending(shard=0) == now - 10 * SECOND
+    store.claim_due(shard=0, epoch=epoch, limit=10)
+    assert store.oldest_due_pending(shard=0) is None
+
+
 # -- claim_due -------------------------------------------------------------------------
 
 

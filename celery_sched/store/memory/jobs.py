@@ -115,6 +115,18 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                 counts[hour] = counts.get(hour, 0) + 1
             return counts
 
+    def oldest_due_pending(self, *, shard: int) -> dt.datetime | None:
+        with self._lock:
+            now = self.now()
+            return min(
+                (
+                    job.due_at
+                    for job in self._jobs.values()
+                    if job.shard == shard and job.status == JobStatus.PENDING and job.due_at <= now
+                ),
+                default=None,
+            )
+
     # -- user transitions ---------------------------------------------------
 
     def cancel(self, key: str) -> bool:

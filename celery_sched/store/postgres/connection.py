@@ -470,3 +470,26 @@ class Database:
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None
+
+
+def probe(settings: Settings, *, timeout: float) -> None:
+    """Connect to the database of ``settings`` once, on a connection of its
+    own, and run ``SELECT 1``; raise :class:`StoreUnavailable` if that fails.
+
+    For the readiness probe: no retries, and no pooled connection taken from
+    the leader. libpq waits at least 2 seconds for a connection.
+    """
+    try:
+        with psycopg.connect(
+            settings.libpq_conninfo(),
+            connect_timeout=max(2, int(timeout + 0.999)),
+            autocommit=True,
+            application_name="celery_sched-probe",
+            prepare_threshold=None,
+        ) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        raise StoreUnavailable(
+            f"PostgreSQL at {settings.safe_database_url} is unavailable: "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from exc

@@ -235,6 +235,15 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         counts = self.database.transaction("counts_by_hour", read)
         return {ensure_utc(hour): count for hour, count in counts}
 
+    def oldest_due_pending(self, *, shard: int) -> dt.datetime | None:
+        due = self.database.transaction(
+            "oldest_due_pending",
+            lambda conn: conn.execute(
+                self.statements.oldest_due_pending, {"p_shard": shard}
+            ).scalar_one_or_none(),
+        )
+        return None if due is None else ensure_utc(due)
+
     # -- user transitions ---------------------------------------------------
 
     def cancel(self, key: str) -> bool:

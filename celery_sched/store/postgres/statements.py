@@ -295,6 +295,26 @@ def due_soon_after(t: Tables) -> Select[Any]:
     )
 
 
+def oldest_due_pending(t: Tables) -> Select[Any]:
+    """The due time of the oldest pending job of shard ``p_shard`` that is
+    due (the leader's backlog gauge); no row when none is."""
+    c = t.jobs.c
+    now = func.now()
+    # The first entry of the shard's partial pending index, the same scan a
+    # claim starts with: one index probe however many rows are stored.
+    return (
+        select(c.due_at)
+        .where(
+            c.status == PENDING,
+            c.shard == bindparam("p_shard"),
+            c.due_bucket <= _minute_of(now),
+            c.due_at <= now,
+        )
+        .order_by(c.due_bucket, c.due_at)
+        .limit(1)
+    )
+
+
 # -- fenced dispatch transitions ---------------------------------------------------
 
 
@@ -1014,6 +1034,7 @@ NAMED: tuple[Callable[[Tables], Any], ...] = (
     claim_ids,
     due_soon,
     due_soon_after,
+    oldest_due_pending,
     release,
     mark_expired,
     fail_dispatch,
@@ -1050,6 +1071,7 @@ class Statements:
         self.claim_ids = claim_ids(t)
         self.due_soon = due_soon(t)
         self.due_soon_after = due_soon_after(t)
+        self.oldest_due_pending = oldest_due_pending(t)
         self.release = release(t)
         self.mark_expired = mark_expired(t)
         self.fail_dispatch = fail_dispatch(t)
