@@ -1,65 +1,25 @@
-"""``celery -A proj sched ...``: schema migration, status, pruning and reconciling.
-
-Registered through the ``celery.commands`` entry point, so Celery loads the
-app and hands it over as ``ctx.obj.app``. The only module that prints; every
-celery_sched error becomes a one-line click error (exit status 1) that names
-the problem, without a traceback and without a password.
-"""
+"""The housekeeping commands: migrate, status, schedules, prune, reconcile."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import click
 
-from celery_sched.client import Client
-from celery_sched.errors import CelerySchedError, StaleEpoch
+from celery_sched.cli.base import clean_errors, client_of, sched
+from celery_sched.errors import StaleEpoch
 from celery_sched.leader.reconciler import REQUEUE_BATCHES, Reconciler
 from celery_sched.leader.stats import EngineStats
 from celery_sched.models import JobStatus
-from celery_sched.settings import Settings
-
-
-@contextlib.contextmanager
-def _clean_errors() -> Iterator[None]:
-    try:
-        yield
-    except CelerySchedError as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-    except ValueError as exc:
-        # Settings parsing can still surface a bare ValueError (a URL with a
-        # non-numeric port); its message carries no password.
-        raise click.ClickException(f"invalid celery_sched configuration: {exc}") from exc
-
-
-def _app(ctx: click.Context) -> Any:
-    obj = ctx.find_root().obj
-    app = getattr(obj, "app", None)
-    if app is None:
-        raise click.UsageError("run as `celery -A proj sched ...` so the Celery app is known")
-    return app
-
-
-def _client(ctx: click.Context) -> Client:
-    app = _app(ctx)
-    with _clean_errors():
-        return Client(app, settings=Settings.from_app(app))
-
-
-@click.group(name="sched")
-def sched() -> None:
-    """celery_sched (the PostgreSQL scheduler): migrate, status, schedules, prune, reconcile."""
 
 
 @sched.command()
 @click.pass_context
 def migrate(ctx: click.Context) -> None:
     """Create or upgrade the celery_sched schema."""
-    client = _client(ctx)
+    client = client_of(ctx)
     settings = client.settings
-    with _clean_errors(), client:
+    with clean_errors(), client:
         click.echo(f"Migrating schema {settings.db_schema!r} at {settings.safe_database_url} ...")
         client.migrate()
     click.echo(f"Schema {settings.db_schema!r} is up to date.")
@@ -77,8 +37,8 @@ def migrate(ctx: click.Context) -> None:
 @click.pass_context
 def status(ctx: click.Context, by_hour: bool, status_filter: str | None) -> None:
     """Show how many jobs are in each status."""
-    client = _client(ctx)
-    with _clean_errors(), client:
+    client = client_of(ctx)
+    with clean_errors(), client:
         counts = client.counts_by_status()
         hours = (
             client.counts_by_hour(JobStatus(status_filter) if status_filter else None)
@@ -110,8 +70,8 @@ def schedules(ctx: click.Context, limit: int | None, after: str | None) -> None:
     The state is active, paused, disabled (gone from the code), finished or
     broken; each broken schedule's reason follows the table.
     """
-    client = _client(ctx)
-    with _clean_errors(), client:
+    client = client_of(ctx)
+    with clean_errors(), client:
         infos = client.schedules.list(after=after, limit=limit)
         counts = client.schedules.counts()
     if not infos:
@@ -164,13 +124,13 @@ def prune(ctx: click.Context, older_than: float | None, ledger_older_than: float
     """Delete finished jobs and completed idempotency-ledger entries older than the retention."""
     from celery_sched.backends import build_ledger
 
-    client = _client(ctx)
+    client = client_of(ctx)
     settings = client.settings
     if older_than is None and settings.retention > 0:
         older_than = settings.retention
     if ledger_older_than is None and settings.ledger_retention > 0:
         ledger_older_than = settings.ledger_retention
-    with _clean_errors(), client:
+    with clean_errors(), client:
         if older_than is None:
             click.echo("celery_sched_retention is 0: finished jobs are kept; nothing pruned.")
         else:
@@ -213,13 +173,13 @@ def reconcile(ctx: click.Context, shard: int | None, limit: int | None) -> None:
     jobs past their max_runtime, go back to pending (attempt + 1), or become
     dead past max_attempts. The leader dispatches the requeued jobs again.
     """
-    client = _client(ctx)
+    client = client_of(ctx)
     settings = client.settings
     shard = settings.shard if shard is None else shard
     if shard >= settings.shards:
         raise click.UsageError(f"--shard must be below celery_sched_shards ({settings.shards})")
     moved = EngineStats()
-    with _clean_errors(), client:
+    with clean_errors(), client:
         epoch = client.store.current_epoch(shard)
         if epoch == 0:
             raise click.ClickException(
