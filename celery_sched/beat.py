@@ -57,6 +57,12 @@ def check_shards(store: JobStore, shards: int) -> None:
     )
 
 
+#: Settings given on the beat's command line (``--metrics-port``); they win
+#: over the app's configuration and the environment, as command-line options
+#: do. Filled by :mod:`celery_sched.cli.beat_options` before beat starts.
+COMMAND_LINE: dict[str, Any] = {}
+
+
 class Scheduler(beat.Scheduler):
     """Celery beat scheduler backed by PostgreSQL, Redis and a fenced lease."""
 
@@ -71,7 +77,7 @@ class Scheduler(beat.Scheduler):
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = Settings.from_app(self.app)
+            self._settings = Settings.from_app(self.app, **COMMAND_LINE)
         return self._settings
 
     def setup_schedule(self) -> None:

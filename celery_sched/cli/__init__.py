@@ -6,7 +6,9 @@ each adding its commands to :data:`sched`; these modules are the only ones in
 the package that print.
 """
 
-from celery_sched.cli import core  # noqa: F401  (registers its commands)
+from celery_sched.cli import beat_options, core  # noqa: F401  (core registers its commands)
 from celery_sched.cli.base import sched
+
+beat_options.install()
 
 __all__ = ["sched"]

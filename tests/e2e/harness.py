@@ -255,7 +255,8 @@ class Cluster(ProcessGroup):
 
     # -- processes ----------------------------------------------------------
 
-    def start_beat(self, name: str = "beat", **env: str) -> Proc:
+    def start_beat(self, name: str = "beat", *, args: Sequence[str] = (), **env: str) -> Proc:
+        """``celery -A app beat -S celery_sched`` with ``args`` appended."""
         return self._spawn(
             name,
             [
@@ -268,6 +269,7 @@ class Cluster(ProcessGroup):
                 "--loglevel=INFO",
                 "-s",
                 str(self.tmp_path / f"{name}-schedule"),
+                *args,
             ],
             env,
         )

@@ -66,15 +66,19 @@ def one(samples: dict[str, Any], name: str, **labels: str) -> float:
 def test_a_leading_beat_serves_every_series_with_live_values(
     redis_url: str, make_cluster: Any, e2e_settings: Any
 ) -> None:
+    """Started with ``--metrics-port`` (which wins over the environment's port)."""
     cluster = make_cluster(redis_url)
-    port = free_port()
-    beat = cluster.start_beat(CELERY_SCHED_METRICS_PORT=str(port))
+    port, env_port = free_port(), free_port()
+    beat = cluster.start_beat(
+        args=("--metrics-port", str(port)), CELERY_SCHED_METRICS_PORT=str(env_port)
+    )
     wait_for(cluster.leader, timeout=30, what="a leader")
     wait_for(
         lambda: get(f"http://127.0.0.1:{port}/healthz")[0] == 200,
         timeout=30,
         what="/healthz 200",
     )
+    assert get(f"http://127.0.0.1:{env_port}/healthz")[0] == 0, "the flag did not win"
     first = wait_for(
         lambda: (lambda got: got if one(got, "celery_sched_leader", shard="0") == 1 else None)(
             scrape(port)
