@@ -26,7 +26,14 @@ from celery_sched.settings import Settings
 if TYPE_CHECKING:
     import redis
 
-    from celery_sched.interfaces import Dispatcher, JobStore, LeaseBackend, Ledger, Staging
+    from celery_sched.interfaces import (
+        Dispatcher,
+        JobStore,
+        LeaderBoard,
+        LeaseBackend,
+        Ledger,
+        Staging,
+    )
     from celery_sched.leader import Engine
     from celery_sched.models import ScheduleSpec
 
@@ -66,6 +73,13 @@ def build_staging(settings: Settings, client: redis.Redis | None = None) -> Stag
     from celery_sched.staging.redis import RedisStaging
 
     return RedisStaging(client or build_redis(settings), prefix=settings.key_prefix)
+
+
+def build_board(settings: Settings, client: redis.Redis | None = None) -> LeaderBoard:
+    """The leader board on Redis (who leads each shard; ``sched leader``)."""
+    from celery_sched.lease.board import RedisLeaderBoard
+
+    return RedisLeaderBoard(client or build_redis(settings), prefix=settings.key_prefix)
 
 
 def build_dispatcher(app: Any, settings: Settings) -> Dispatcher:
@@ -120,6 +134,7 @@ def build_leader(
         settings=settings,
         planner=Planner(store, settings, app=app, static=static),
         ledger=build_ledger(settings, store),
+        board=build_board(settings, redis_client),
     )
 
 

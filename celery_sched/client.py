@@ -12,7 +12,7 @@ import datetime as dt
 import functools
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,9 +27,14 @@ from celery_sched.ids import UUID7Source
 from celery_sched.interfaces import JobStore, Staging
 from celery_sched.models import (
     Job,
+    JobPage,
+    JobQuery,
     JobStatus,
+    LeaderView,
     NewJobRow,
     NewSchedule,
+    PageCursor,
+    RequeueResult,
     ScheduleInfo,
     ScheduleRuns,
     StoredSchedule,
@@ -209,6 +214,20 @@ class Client:
             self._stage(due_soon)
         return count
 
+    def check_row(self, row: Mapping[str, Any]) -> None:
+        """Validate one :meth:`schedule_many` row as it would be, writing nothing.
+
+        Raises the :class:`~celery_sched.errors.InvalidJob` subclass
+        :meth:`schedule_many` would (a key already stored is not checked:
+        the write finds it). Used by ``sched import`` to refuse bad rows one
+        by one before it writes the good ones. The local clock stands in for
+        the store's (a countdown's due time is only checked here; the write
+        reads the store's clock), so a check costs no round trip.
+        """
+        if not isinstance(row, Mapping):
+            raise InvalidJob(f"expected a mapping, got {type(row).__name__}")
+        self.builder.build_row(row, functools.partial(dt.datetime.now, dt.UTC), _ROW_FIELDS)
+
     def _build_rows(
         self,
         rows: Iterable[Mapping[str, Any]],
@@ -287,6 +306,117 @@ class Client:
     def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
         """Number of jobs per UTC hour of their due time."""
         return self.store.counts_by_hour(status)
+
+    # -- looking through jobs and steering them by hand ------------------------
+
+    def list_jobs(
+        self,
+        query: JobQuery | None = None,
+        *,
+        after: PageCursor | str | None = None,
+        limit: int = 50,
+    ) -> JobPage:
+        """One page of the jobs ``query`` selects (all jobs by default), in
+        its order of ``(due_at, id)``, starting beyond ``after`` (a
+        :class:`~celery_sched.models.PageCursor` or its encoded text, as a
+        page's ``next`` gives it; a bad one raises
+        :class:`~celery_sched.errors.InvalidCursor`). The page's ``next``
+        is ``None`` on the last page."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        cursor = PageCursor.decode(after) if isinstance(after, str) else after
+        # One row more than the page says whether another page follows.
+        jobs = self.store.list_jobs(query or JobQuery(), after=cursor, limit=limit + 1)
+        if len(jobs) <= limit:
+            return JobPage(jobs=jobs)
+        del jobs[limit:]
+        return JobPage(jobs=jobs, next=PageCursor.of(jobs[-1]))
+
+    def requeue(self, keys: Iterable[str], *, allowance: int | None = None) -> RequeueResult:
+        """Requeue dead or failed jobs by hand (see
+        :meth:`~celery_sched.interfaces.Jobs.requeue`): each runs again
+        now, at its next attempt, with ``allowance`` more attempts (default
+        its ``max_attempts``). The others are reported, not changed."""
+        result = self.store.requeue(list(keys), allowance=allowance)
+        self._stage_requeued(result.requeued)
+        return result
+
+    def requeue_dead(
+        self,
+        *,
+        task: str | None = None,
+        allowance: int | None = None,
+        batch: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Requeue every job dead by now (of ``task`` only, if given), a
+        transaction of ``batch`` jobs (default ``celery_sched_batch_size``)
+        at a time, so that millions never sit in memory; return how many.
+        ``progress`` is called with the running total after each batch.
+        Jobs that die while it runs are left dead."""
+        size = batch or self.settings.batch_size
+        died_by = self.store.now()
+        total = 0
+        while True:
+            moved = self.store.requeue_dead(
+                died_by=died_by, task=task, limit=size, allowance=allowance
+            )
+            total += len(moved)
+            self._stage_requeued(moved)
+            if moved and progress is not None:
+                progress(total)
+            if len(moved) < size:
+                break
+        if total:
+            logger.info("requeued %d dead jobs by hand", total)
+        return total
+
+    def _stage_requeued(self, jobs: list[Job]) -> None:
+        # Due now: a copy in the staging set fires them without waiting
+        # for the leader's next sweep (best effort, as for new jobs).
+        if jobs and self._stage_new_jobs:
+            self._stage([(job.shard, job.id, job.due_at) for job in jobs])
+
+    def message_headers(self, job: Job) -> dict[str, Any]:
+        """The headers the shard's current leader would send ``job``'s
+        message with now: built by the dispatchers' own code
+        (:mod:`celery_sched.protocol`), with the task's declared limits and
+        expiry, the current epoch of the job's shard and its attempt."""
+        from celery_sched.protocol import (
+            COMPRESSION_HEADER,
+            base_headers,
+            compress_body,
+            message_headers,
+            send_expires_at,
+            task_defaults,
+        )
+
+        defaults = task_defaults(self.app.tasks.get(job.task))
+        base = base_headers(
+            origin=self.settings.hostname, epoch=self.store.current_epoch(job.shard)
+        )
+        expires_at = send_expires_at(job, self.store.now(), defaults)
+        headers = message_headers(base, job, str(job.id), expires_at=expires_at, defaults=defaults)
+        compression = (job.options or {}).get("compression") or self.app.conf.task_compression
+        if compression:
+            headers[COMPRESSION_HEADER] = compress_body(job.body, compression)[1]
+        return headers
+
+    def leaders(self) -> list[LeaderView]:
+        """Per shard (``0 .. celery_sched_shards - 1``): the lease's holder
+        (``host:pid``) and seconds left, and the leader's last report
+        (:class:`~celery_sched.models.LeaderView`), read from Redis."""
+        from celery_sched.backends import build_board, build_redis
+
+        client = build_redis(self.settings)
+        try:
+            return build_board(self.settings, client).read(range(self.settings.shards))
+        finally:
+            client.close()
+
+    def epochs(self) -> dict[int, int]:
+        """Per shard, its current fencing epoch in PostgreSQL (0: never led)."""
+        return {shard: self.store.current_epoch(shard) for shard in range(self.settings.shards)}
 
 
 # -- periodic schedules ----------------------------------------------------------------
@@ -414,6 +544,20 @@ class ScheduleManager:
         logger.info("added %d schedules", count)
         return count
 
+    def check(self, entry: Mapping[str, Any], *, check_task: bool = True) -> None:
+        """Validate one :meth:`add_many` entry as it would be, writing nothing.
+
+        Raises what :meth:`add_many` would for it
+        (:class:`~celery_sched.errors.InvalidSchedule`,
+        :class:`~celery_sched.errors.UnknownTimezone`, ...; a name already
+        stored is not checked). Used by ``sched import`` to skip bad entries
+        one by one before it writes the good ones.
+        """
+        values = dict(entry)
+        fields = {key: values.pop(key) for key in (*_SCHEDULE_FIELDS, "name") if key in values}
+        fields["options"] = values
+        self._row(fields, now=self._store.now(), check_task=check_task)
+
     def update(self, name: str, **changes: Any) -> ScheduleInfo:
         """Change a schedule; only the given fields change (an option given as
         ``None`` is removed; ``misfire=None`` means the project default again).
@@ -504,6 +648,13 @@ class ScheduleManager:
         return stored
 
     # -- reading ------------------------------------------------------------------
+
+    def history(self, name: str, *, limit: int = 20) -> list[Job]:
+        """The last ``limit`` occurrences of the schedule (due by now,
+        triggered ones included), newest due first. Raises
+        :class:`~celery_sched.errors.UnknownSchedule`."""
+        row = self._existing(name, changing=False)
+        return self._store.schedule_history(row.id, limit=limit)
 
     def get(self, name: str) -> ScheduleInfo | None:
         """The schedule called ``name`` with its next and last run, or ``None``."""

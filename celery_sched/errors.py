@@ -86,6 +86,14 @@ class UnknownSchedule(CelerySchedError, LookupError):
         self.name = name
 
 
+class InvalidImport(CelerySchedError, ValueError):
+    """The input of ``sched import`` cannot be read (file, format or header)."""
+
+
+class InvalidCursor(CelerySchedError, ValueError):
+    """A page cursor is not one a job listing printed."""
+
+
 class DuplicateJob(CelerySchedError):
     """A job with this key already exists."""
 
@@ -140,3 +148,4 @@ class PublishError(CelerySchedError):
 
 class LedgerConflict(CelerySchedError):
     """Another execution of this idempotency key took it over; this one cannot complete it."""
+

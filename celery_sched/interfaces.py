@@ -31,14 +31,19 @@ from typing import Any, Literal
 from celery_sched.models import (
     DeliveryCheck,
     Job,
+    JobQuery,
     JobStatus,
+    LeaderReport,
+    LeaderView,
     LedgerClaim,
     LedgerEntry,
     NewJob,
     NewJobRow,
     NewSchedule,
+    PageCursor,
     PlanCommit,
     ReconcileResult,
+    RequeueResult,
     ScheduleAdvance,
     ScheduleRuns,
     StoredSchedule,
@@ -138,11 +143,51 @@ class Jobs(StoreLifecycle):
         Cheap at any table size: it reads the first entry of the pending index.
         """
 
+    @abc.abstractmethod
+    def list_jobs(
+        self, query: JobQuery, *, after: PageCursor | None = None, limit: int
+    ) -> list[Job]:
+        """The jobs ``query`` selects, in its order of ``(due_at, id)``, only
+        those beyond ``after`` in that order (keyset paging), at most
+        ``limit``. Read-only. How PostgreSQL finds them (which index, for
+        which filters) is said in ``store/postgres/listing.py``."""
+
     # -- user transitions ---------------------------------------------------
 
     @abc.abstractmethod
     def cancel(self, key: str) -> bool:
         """pending -> cancelled. True if the job was pending and is now cancelled."""
+
+    @abc.abstractmethod
+    def requeue(self, keys: Sequence[str], *, allowance: int | None = None) -> RequeueResult:
+        """Requeue the jobs of ``keys`` by hand; one transaction.
+
+        Only jobs in :data:`~celery_sched.models.REQUEUABLE_STATUSES` move:
+        pending again, due now (``due_at``, ``due_bucket``), ``attempt + 1``,
+        ``max_attempts`` per :func:`~celery_sched.models.requeued_allowance`
+        (``allowance`` more dispatches, default the job's ``max_attempts``);
+        ``dispatched_at``, ``started_at`` and ``finished_at`` cleared (an
+        unfinished job must not be pruned), everything else kept (the last
+        error, the worker, the epoch). The attempt moves on, never back: a
+        late delivery of an older attempt is told apart by the fence. Keys
+        of jobs in any other status are reported ``refused`` with it;
+        unknown keys ``unknown``. ``ValueError`` for an allowance below 1.
+        """
+
+    @abc.abstractmethod
+    def requeue_dead(
+        self,
+        *,
+        died_by: dt.datetime,
+        task: str | None = None,
+        limit: int,
+        allowance: int | None = None,
+    ) -> list[Job]:
+        """Requeue, as :meth:`requeue` does, up to ``limit`` ``dead`` jobs
+        that died at or before ``died_by`` (``finished_at``), of ``task``
+        only if given, soonest due first; return them. One transaction per
+        call: a caller requeues millions a batch at a time, with the same
+        ``died_by`` so that jobs dying meanwhile are left for later."""
 
     # -- leadership fencing -------------------------------------------------
 
@@ -405,6 +450,15 @@ class ScheduleStore(StoreLifecycle):
         its latest occurrence due at or before now (ids with neither are omitted)."""
 
     @abc.abstractmethod
+    def schedule_history(self, schedule_id: int, *, limit: int) -> list[Job]:
+        """The occurrences of schedule ``schedule_id`` due at or before now,
+        newest due first (ties: newest id first), at most ``limit``;
+        triggered ones included. Read-only; bounded by ``limit`` whatever
+        the history's size (PostgreSQL walks ``jobs_schedule_due_idx``
+        backwards). The jobs outlive the schedule: a deleted schedule's id
+        still finds its history."""
+
+    @abc.abstractmethod
     def replace_schedule(
         self, schedule: NewSchedule, *, expected_version: int, restart: bool
     ) -> StoredSchedule | None:
@@ -538,6 +592,26 @@ class LeaseBackend(abc.ABC):
     @abc.abstractmethod
     def holder(self, shard: int) -> str | None:
         """The token holding the lease, or ``None``."""
+
+
+class LeaderBoard(abc.ABC):
+    """Where each shard's leader says it is at work, for operators (Redis).
+
+    The leader posts a :class:`~celery_sched.models.LeaderReport` after its
+    passes (at most about once a second: one small write); a reader sees,
+    per shard, the lease's holder and time left beside the last report.
+    Nothing decides anything from it. Unreachable backends raise
+    :class:`~celery_sched.errors.LeaseUnavailable`.
+    """
+
+    @abc.abstractmethod
+    def post(self, report: LeaderReport) -> None:
+        """Record ``report`` as its shard's last one (kept for a day)."""
+
+    @abc.abstractmethod
+    def read(self, shards: Sequence[int]) -> list[LeaderView]:
+        """Each of ``shards``' lease holder (``host:pid``), the seconds its
+        lease has left, and its last report; one round trip."""
 
 
 class Staging(abc.ABC):

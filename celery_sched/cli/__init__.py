@@ -6,7 +6,13 @@ each adding its commands to :data:`sched`; these modules are the only ones in
 the package that print.
 """
 
-from celery_sched.cli import beat_options, core  # noqa: F401  (core registers its commands)
+from celery_sched.cli import (  # noqa: F401  (they register commands)
+    beat_options,
+    core,
+    jobs,
+    schedules,
+    transfer,
+)
 from celery_sched.cli.base import sched
 
 beat_options.install()

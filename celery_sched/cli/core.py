@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import click
 
-from celery_sched.cli.base import clean_errors, client_of, sched
+from celery_sched.cli.base import clean_errors, client_of, echo_json, sched
+from celery_sched.cli.progress import on_terminal, progress_bar
 from celery_sched.errors import StaleEpoch
 from celery_sched.leader.reconciler import REQUEUE_BATCHES, Reconciler
 from celery_sched.leader.stats import EngineStats
@@ -63,8 +66,14 @@ def status(ctx: click.Context, by_hour: bool, status_filter: str | None) -> None
 @sched.command()
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most this many.")
 @click.option("--after", default=None, help="Only schedules named after this (paging).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON array: every field of each schedule, and its state.",
+)
 @click.pass_context
-def schedules(ctx: click.Context, limit: int | None, after: str | None) -> None:
+def schedules(ctx: click.Context, limit: int | None, after: str | None, as_json: bool) -> None:
     """List periodic schedules: name, kind, next run, last run, state.
 
     The state is active, paused, disabled (gone from the code), finished or
@@ -73,7 +82,10 @@ def schedules(ctx: click.Context, limit: int | None, after: str | None) -> None:
     client = client_of(ctx)
     with clean_errors(), client:
         infos = client.schedules.list(after=after, limit=limit)
-        counts = client.schedules.counts()
+        counts = {} if as_json else client.schedules.counts()
+    if as_json:
+        echo_json([{**dataclasses.asdict(info), "state": info.state} for info in infos])
+        return
     if not infos:
         click.echo("No periodic schedules.")
         return
@@ -121,7 +133,11 @@ def schedules(ctx: click.Context, limit: int | None, after: str | None) -> None:
 )
 @click.pass_context
 def prune(ctx: click.Context, older_than: float | None, ledger_older_than: float | None) -> None:
-    """Delete finished jobs and completed idempotency-ledger entries older than the retention."""
+    """Delete finished jobs and completed idempotency-ledger entries older than the retention.
+
+    Deletes celery_sched_prune_batch rows per transaction until none is
+    left; on a terminal a progress bar counts the rows and batches.
+    """
     from celery_sched.backends import build_ledger
 
     client = client_of(ctx)
@@ -134,7 +150,14 @@ def prune(ctx: click.Context, older_than: float | None, ledger_older_than: float
         if older_than is None:
             click.echo("celery_sched_retention is 0: finished jobs are kept; nothing pruned.")
         else:
-            deleted = client.store.prune(older_than=older_than, batch=settings.prune_batch)
+            job_horizon = older_than
+            deleted = _in_batches(
+                "Pruning jobs",
+                lambda: client.store.prune(
+                    older_than=job_horizon, batch=settings.prune_batch, max_batches=1
+                ),
+                settings.prune_batch,
+            )
             click.echo(f"Pruned {deleted} finished job(s) older than {older_than:g}s.")
         if ledger_older_than is None:
             click.echo(
@@ -142,14 +165,38 @@ def prune(ctx: click.Context, older_than: float | None, ledger_older_than: float
             )
         else:
             ledger = build_ledger(settings, client.store)
+            ledger_horizon = ledger_older_than
             try:
-                entries = ledger.prune(older_than=ledger_older_than, batch=settings.prune_batch)
+                entries = _in_batches(
+                    "Pruning ledger",
+                    lambda: ledger.prune(
+                        older_than=ledger_horizon, batch=settings.prune_batch, max_batches=1
+                    ),
+                    settings.prune_batch,
+                )
             finally:
                 ledger.close()
             click.echo(
                 f"Pruned {entries} idempotency-ledger entr{'y' if entries == 1 else 'ies'} "
                 f"older than {ledger_older_than:g}s."
             )
+
+
+def _in_batches(description: str, one_batch: Callable[[], int], batch: int) -> int:
+    """Run ``one_batch`` (one transaction deleting up to ``batch`` rows) until
+    a batch comes back short; return the total. A progress bar counts rows
+    and batches on a terminal; elsewhere the caller's summary is all."""
+    total = batches = 0
+    with progress_bar(description, unit="row") as bar:
+        while True:
+            deleted = one_batch()
+            total += deleted
+            batches += 1
+            bar.update(deleted)
+            if on_terminal():
+                bar.set_postfix(batches=batches)
+            if deleted < batch:
+                return total
 
 
 @sched.command()

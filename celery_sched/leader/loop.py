@@ -1,4 +1,5 @@
-"""The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune -> backlog.
+"""The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune -> backlog
+-> presence.
 
 One :class:`Engine` runs in each beat process. All of them compete for the
 shard's lease through a :class:`~celery_sched.lease.elector.LeaderElector`
@@ -41,6 +42,7 @@ from celery_sched.leader.clock import StoreClock
 from celery_sched.leader.housekeeping import Housekeeper
 from celery_sched.leader.misfire import LateOccurrences
 from celery_sched.leader.planning import Planning
+from celery_sched.leader.presence import Presence
 from celery_sched.leader.publishing import Publisher
 from celery_sched.leader.reconciler import Reconciler
 from celery_sched.leader.rescuer import Rescuer
@@ -51,7 +53,7 @@ from celery_sched.schedules.rows import spec_of
 from celery_sched.timeutil import UTC
 
 if TYPE_CHECKING:
-    from celery_sched.interfaces import Dispatcher, JobStore, Ledger, Staging
+    from celery_sched.interfaces import Dispatcher, JobStore, LeaderBoard, Ledger, Staging
     from celery_sched.leader.planning import Planner
     from celery_sched.lease.elector import LeaderElector
     from celery_sched.settings import Settings
@@ -81,6 +83,7 @@ class Engine:
         wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(UTC),
         planner: Planner | None = None,
         ledger: Ledger | None = None,
+        board: LeaderBoard | None = None,
     ) -> None:
         self.store = store
         self.planner = planner
@@ -160,6 +163,11 @@ class Engine:
         self._reconciler = Reconciler(store, settings, stats)
         self._rescuer = Rescuer(store, settings, stats)
         self._housekeeper = Housekeeper(store, settings, stats, ledger)
+        self._presence = (
+            None
+            if board is None
+            else Presence(board, shard=self.shard, store_clock=self._store_clock, clock=clock)
+        )
         self._backlog = BacklogReader(
             store=store,
             staging=staging,
@@ -289,6 +297,8 @@ class Engine:
         self._next_backlog = 0.0
         if self._planning is not None:
             self._planning.elected()
+        if self._presence is not None:
+            self._presence.elected()
         self.stats.elections += 1
         logger.info("shard %d: leading with epoch %d", self.shard, epoch)
 
@@ -358,6 +368,9 @@ class Engine:
             self._duty("backlog", self._backlog.run)
             self._next_backlog = now + self._backlog.interval
             timings.append(("backlog", self._clock()))
+        if self._presence is not None:
+            # For operators only (sched leader); it never fails the pass.
+            self._presence.run(epoch)
         if timings and timings[-1][1] - now > SLOW_PASS:
             # A slow pass delays every job due meanwhile; say where it went.
             parts, start = [], now

@@ -4,5 +4,7 @@
   which competes for the lease, renews it on its own thread, and bumps the
   shard's fencing epoch when it wins.
 - :mod:`celery_sched.lease.redis`: the Redis backend (Lua scripts in ``lua/``).
-- :mod:`celery_sched.lease.memory`: the in-memory fake for unit tests.
+- :mod:`celery_sched.lease.board`: the leader board on Redis (who leads each
+  shard, the lease's time left, the leader's last pass), for operators.
+- :mod:`celery_sched.lease.memory`: the in-memory fakes for unit tests.
 """

@@ -39,12 +39,23 @@ from celery_sched.errors import LeaseError
 from celery_sched.interfaces import LeaseBackend
 from celery_sched.models import Lease
 
-__all__ = ["LeaderElector", "LeaseCallback"]
+__all__ = ["LeaderElector", "LeaseCallback", "lease_token", "token_holder"]
 
 logger = logging.getLogger(__name__)
 
 LeaseCallback = Callable[[Lease], None]
 """Called with the lease that was won (``on_elected``) or lost (``on_lost``)."""
+
+
+def lease_token(holder: str) -> str:
+    """A new lease token of ``holder`` (``host:pid``): unique per election,
+    and saying who holds the lease (:func:`token_holder`)."""
+    return f"{holder}:{uuid.uuid4().hex}"
+
+
+def token_holder(token: str) -> str:
+    """The ``holder`` a :func:`lease_token` was made for."""
+    return token.rpartition(":")[0] or token
 
 
 class LeaderElector:
@@ -178,7 +189,7 @@ class LeaderElector:
             if self._orphan is not None:
                 orphan, self._orphan = self._orphan, None
                 self._release_quietly(orphan)
-            token = f"{self._holder}:{uuid.uuid4().hex}"
+            token = lease_token(self._holder)
             # Taken before SET: Redis starts the ttl no earlier than this.
             t0 = self._clock()
             try:

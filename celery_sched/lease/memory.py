@@ -1,4 +1,4 @@
-"""An in-memory lease backend for unit tests.
+"""An in-memory lease backend and leader board for unit tests.
 
 Same semantics as :class:`~celery_sched.lease.redis.RedisLeaseBackend`
 (it passes the same contract tests), with expiry judged by an injected clock
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from celery_sched.errors import LeaseUnavailable
-from celery_sched.interfaces import LeaseBackend
+from celery_sched.interfaces import LeaderBoard, LeaseBackend
+from celery_sched.lease.elector import token_holder
+from celery_sched.models import LeaderReport, LeaderView
 
 
 def _check_ttl(ttl: float) -> None:
@@ -82,3 +84,34 @@ class MemoryLeaseBackend(LeaseBackend):
             del self._leases[shard]
             return None
         return token
+
+
+class MemoryLeaderBoard(LeaderBoard):
+    """:class:`~celery_sched.interfaces.LeaderBoard` over a
+    :class:`MemoryLeaseBackend`'s leases (same clock), with reports in a dict."""
+
+    def __init__(self, leases: MemoryLeaseBackend) -> None:
+        self._leases = leases
+        self._reports: dict[int, LeaderReport] = {}
+
+    def post(self, report: LeaderReport) -> None:
+        self._leases._reachable_now()
+        self._reports[report.shard] = report
+
+    def read(self, shards: Sequence[int]) -> list[LeaderView]:
+        leases = self._leases
+        views = []
+        with leases._lock:
+            now = leases._reachable_now()
+            for shard in shards:
+                token = leases._live(shard, now)
+                ttl = None if token is None else leases._leases[shard][1] - now
+                views.append(
+                    LeaderView(
+                        shard=shard,
+                        holder=None if token is None else token_holder(token),
+                        ttl=ttl,
+                        report=self._reports.get(shard),
+                    )
+                )
+        return views

@@ -75,6 +75,11 @@ def load_script(name: str) -> str:
     )
 
 
+def lease_key(prefix: str, shard: int) -> str:
+    """The Redis key holding shard ``shard``'s lease under ``prefix``."""
+    return f"{prefix}:lease:{shard}"
+
+
 def ttl_to_ms(ttl: float) -> int:
     """``ttl`` seconds as whole milliseconds (at least 1); refuse ``ttl <= 0``."""
     if ttl <= 0:
@@ -89,7 +94,8 @@ def _describe(kwargs: dict[str, Any]) -> str:
     return f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
 
 
-def _translate(exc: BaseException) -> CelerySchedError:
+def translate(exc: BaseException) -> CelerySchedError:
+    """A Redis error as the lease's own error."""
     if isinstance(exc, _UNAVAILABLE):
         return LeaseUnavailable(f"the lease backend (Redis) cannot be reached: {exc}")
     return LeaseError(f"the leader lease failed in Redis: {exc}")
@@ -139,7 +145,7 @@ class RedisLeaseBackend(LeaseBackend):
 
     def key(self, shard: int) -> str:
         """The Redis key holding shard ``shard``'s lease."""
-        return f"{self._prefix}:lease:{shard}"
+        return lease_key(self._prefix, shard)
 
     def close(self) -> None:
         """Close this backend's own connections."""
@@ -193,7 +199,7 @@ class RedisLeaseBackend(LeaseBackend):
             return call_with_retry(
                 fn,
                 transient=(redis.ConnectionError,),
-                translate=_translate,
+                translate=translate,
                 what=what,
                 url=self._where,
                 attempts=_ATTEMPTS,
@@ -203,4 +209,4 @@ class RedisLeaseBackend(LeaseBackend):
         except redis.RedisError as exc:
             # Timeouts and server errors are not retried: a slow Redis would
             # only eat more of the renewal period.
-            raise _translate(exc) from exc
+            raise translate(exc) from exc

@@ -38,6 +38,16 @@ from celery_sched.models.ledger import (
     LedgerState,
     delivery_fence,
 )
+from celery_sched.models.listing import (
+    REQUEUABLE_STATUSES,
+    JobPage,
+    JobQuery,
+    LeaderReport,
+    LeaderView,
+    PageCursor,
+    RequeueResult,
+    requeued_allowance,
+)
 from celery_sched.models.reports import (
     REPORT_ERROR_LIMIT,
     REPORT_RETRY_IN_LIMIT,
@@ -79,6 +89,7 @@ __all__ = [
     "REPORT_ERROR_LIMIT",
     "REPORT_RETRY_IN_LIMIT",
     "REPORT_WORKER_LIMIT",
+    "REQUEUABLE_STATUSES",
     "SCHEDULE_KINDS",
     "SCHEDULE_SOURCES",
     "UNFINISHED_STATUSES",
@@ -86,7 +97,11 @@ __all__ = [
     "ClaimOutcome",
     "DeliveryCheck",
     "Job",
+    "JobPage",
+    "JobQuery",
     "JobStatus",
+    "LeaderReport",
+    "LeaderView",
     "Lease",
     "LedgerClaim",
     "LedgerEntry",
@@ -96,8 +111,10 @@ __all__ = [
     "NewJobRow",
     "NewSchedule",
     "OverlapPolicy",
+    "PageCursor",
     "PlanCommit",
     "ReconcileResult",
+    "RequeueResult",
     "ScheduleAdvance",
     "ScheduleInfo",
     "ScheduleRuns",
@@ -112,4 +129,5 @@ __all__ = [
     "delivery_fence",
     "id_of_key",
     "jobs_from_rows",
+    "requeued_allowance",
 ]

@@ -144,6 +144,14 @@ def build_metadata(schema: str) -> MetaData:
         jobs.c.dispatched_at,
         postgresql_where=text("status = 'retrying'"),
     )
+    # Dead jobs in due order, for listing and requeueing them by hand; rows
+    # enter it only when they die, so inserts and claims pay nothing. (0008)
+    Index(
+        "jobs_dead_idx",
+        jobs.c.due_at,
+        jobs.c.id,
+        postgresql_where=text("status = 'dead'"),
+    )
     Index(
         "jobs_finished_idx",
         jobs.c.finished_at,

@@ -13,15 +13,20 @@ from celery_sched.interfaces import Jobs
 from celery_sched.models import (
     ADOPTABLE_STATUSES,
     FINISHED_STATUSES,
+    REQUEUABLE_STATUSES,
     UNFINISHED_STATUSES,
     Job,
+    JobQuery,
     JobStatus,
     LedgerState,
     NewJob,
+    PageCursor,
     ReconcileResult,
+    RequeueResult,
+    requeued_allowance,
 )
 from celery_sched.store.memory.base import MemoryStoreBase
-from celery_sched.timeutil import ensure_utc
+from celery_sched.timeutil import ensure_utc, to_bucket
 
 
 class MemoryJobs(MemoryStoreBase, Jobs):
@@ -127,7 +132,74 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                 default=None,
             )
 
+    def list_jobs(
+        self, query: JobQuery, *, after: PageCursor | None = None, limit: int
+    ) -> list[Job]:
+        with self._lock:
+            rows = [
+                job
+                for job in self._jobs.values()
+                if query.matches(job) and query.beyond(job, after)
+            ]
+        rows.sort(key=_page_order, reverse=query.newest)
+        return rows[: max(limit, 0)]
+
     # -- user transitions ---------------------------------------------------
+
+    def requeue(self, keys: Sequence[str], *, allowance: int | None = None) -> RequeueResult:
+        if allowance is not None:
+            requeued_allowance(0, 1, allowance)  # refuses a bad allowance up front
+        result = RequeueResult()
+        with self._lock:
+            now = self.now()
+            for key in dict.fromkeys(keys):
+                job_id = self._by_key.get(key)
+                if job_id is None:
+                    result.unknown.append(key)
+                    continue
+                job = self._jobs[job_id]
+                if job.status not in REQUEUABLE_STATUSES:
+                    result.refused[key] = job.status
+                    continue
+                result.requeued.append(self._requeue_by_hand(job, now, allowance))
+        return result
+
+    def requeue_dead(
+        self,
+        *,
+        died_by: dt.datetime,
+        task: str | None = None,
+        limit: int,
+        allowance: int | None = None,
+    ) -> list[Job]:
+        died_by = ensure_utc(died_by, name="died_by")
+        with self._lock:
+            now = self.now()
+            dead = sorted(
+                (
+                    job
+                    for job in self._jobs.values()
+                    if job.status == JobStatus.DEAD
+                    and job.finished_at is not None
+                    and job.finished_at <= died_by
+                    and (task is None or job.task == task)
+                ),
+                key=_page_order,
+            )[: max(limit, 0)]
+            return [self._requeue_by_hand(job, now, allowance) for job in dead]
+
+    def _requeue_by_hand(self, job: Job, now: dt.datetime, allowance: int | None) -> Job:
+        return self._update(
+            job,
+            status=JobStatus.PENDING,
+            attempt=job.attempt + 1,
+            max_attempts=requeued_allowance(job.attempt, job.max_attempts, allowance),
+            due_at=now,
+            due_bucket=to_bucket(now),
+            dispatched_at=None,
+            started_at=None,
+            finished_at=None,
+        )
 
     def cancel(self, key: str) -> bool:
         with self._lock:
@@ -471,3 +543,8 @@ class MemoryJobs(MemoryStoreBase, Jobs):
 
 def _due_order(job: Job) -> tuple[dt.datetime, str]:
     return (job.due_at, str(job.id))
+
+
+def _page_order(job: Job) -> tuple[dt.datetime, bytes]:
+    # PostgreSQL orders uuids by their bytes.
+    return (job.due_at, job.id.bytes)

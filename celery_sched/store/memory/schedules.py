@@ -103,6 +103,17 @@ class MemoryScheduleStore(MemoryStoreBase, ScheduleStore):
             if sid in nexts or sid in lasts
         }
 
+    def schedule_history(self, schedule_id: int, *, limit: int) -> list[Job]:
+        with self._lock:
+            now = self.now()
+            jobs = [
+                job
+                for job in self._jobs.values()
+                if job.schedule_id == schedule_id and job.due_at <= now
+            ]
+        jobs.sort(key=lambda job: (job.due_at, job.id), reverse=True)
+        return jobs[: max(limit, 0)]
+
     def replace_schedule(
         self, schedule: NewSchedule, *, expected_version: int, restart: bool
     ) -> StoredSchedule | None:

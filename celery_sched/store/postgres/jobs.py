@@ -23,10 +23,13 @@ from celery_sched.errors import DuplicateJob, StaleEpoch, StoreError
 from celery_sched.interfaces import Jobs
 from celery_sched.models import (
     Job,
+    JobQuery,
     JobStatus,
     NewJob,
     NewJobRow,
+    PageCursor,
     ReconcileResult,
+    RequeueResult,
     id_of_key,
     jobs_from_rows,
 )
@@ -34,6 +37,14 @@ from celery_sched.settings import Settings
 from celery_sched.store.postgres.base import PostgresStoreBase
 from celery_sched.store.postgres.bulk import JobCopy
 from celery_sched.store.postgres.connection import RawStatement, raw_cursor
+from celery_sched.store.postgres.listing import (
+    CODE_POINT_COLLATIONS,
+    Listing,
+    check_allowance,
+    key_arrays,
+    read_collation,
+    requeue_result,
+)
 from celery_sched.store.postgres.statements import (
     PENDING,
     Tables,
@@ -121,6 +132,9 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         self._copy = JobCopy(self.database)
         self._claim_due = RawStatement(self.statements.claim_due)
         self._claim_ids = RawStatement(self.statements.claim_ids)
+        self._listing = Listing(self.statements.tables.jobs)
+        #: The database's collation, read on the first key-prefix listing.
+        self._key_collation: str | None = None
 
     def _fence(self, conn: Connection, shard: int, epoch: int) -> None:
         # FOR SHARE on the shard's leaders row: acquire_epoch's UPDATE of that
@@ -244,10 +258,76 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         )
         return None if due is None else ensure_utc(due)
 
+    def list_jobs(
+        self, query: JobQuery, *, after: PageCursor | None = None, limit: int
+    ) -> list[Job]:
+        """See :mod:`~celery_sched.store.postgres.listing` for the query plans."""
+        if limit <= 0:
+            return []
+
+        def read(conn: Connection) -> list[Job]:
+            stmt = self._listing.select_page(
+                query,
+                after,
+                limit,
+                code_point_keys=query.key_prefix is not None and self._code_point_keys(conn),
+            )
+            return [job_of(row) for row in conn.execute(stmt)]
+
+        return self.database.transaction("list_jobs", read)
+
+    def _code_point_keys(self, conn: Connection) -> bool:
+        if self._key_collation is None:
+            self._key_collation = read_collation(conn)
+        return self._key_collation in CODE_POINT_COLLATIONS
+
     # -- user transitions ---------------------------------------------------
 
     def cancel(self, key: str) -> bool:
         return self.database.rowcount("cancel", self._jq.cancel, key_params(key)) > 0
+
+    def requeue(self, keys: Sequence[str], *, allowance: int | None = None) -> RequeueResult:
+        check_allowance(allowance)
+        wanted = list(dict.fromkeys(keys))
+        if not wanted:
+            return RequeueResult()
+        params: dict[str, Any] = {**key_arrays(wanted), "p_allowance": allowance}
+
+        def run(conn: Connection) -> RequeueResult:
+            moved = [job_of(row) for row in conn.execute(self._listing.requeue_keys, params)]
+            statuses: dict[str, str] = {
+                key: status for key, status in conn.execute(self._listing.statuses_of_keys, params)
+            }
+            return requeue_result(wanted, moved, statuses)
+
+        result = self.database.transaction("requeue", run)
+        if result.requeued:
+            logger.info("requeued %d jobs by hand", len(result.requeued))
+        return result
+
+    def requeue_dead(
+        self,
+        *,
+        died_by: dt.datetime,
+        task: str | None = None,
+        limit: int,
+        allowance: int | None = None,
+    ) -> list[Job]:
+        check_allowance(allowance)
+        if limit <= 0:
+            return []
+        params: dict[str, Any] = {
+            "p_died_by": ensure_utc(died_by, name="died_by"),
+            "p_limit": limit,
+            "p_allowance": allowance,
+        }
+        if task is not None:
+            params["p_task"] = task
+        stmt = self._listing.requeue_dead(task)
+        moved = self.database.transaction(
+            "requeue_dead", lambda conn: [job_of(row) for row in conn.execute(stmt, params)]
+        )
+        return sorted(moved, key=lambda job: (job.due_at, job.id.bytes))
 
     # -- leadership fencing -------------------------------------------------
 

@@ -41,7 +41,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from celery_sched.models import UNFINISHED_STATUSES
 from celery_sched.store.postgres.bulk import COPY_COLUMNS, SCHEDULE_COPY_COLUMNS, copy_sql
 from celery_sched.store.postgres.jobs import skip_taken_keys
-from celery_sched.store.postgres.statements import PENDING, Tables, text_array
+from celery_sched.store.postgres.statements import PENDING, Tables, job_columns, text_array
 
 #: What a user defines (the static sync compares these); the first four
 #: decide *when* a schedule fires, so a change in them restarts it from now.
@@ -128,6 +128,15 @@ class ScheduleQueries:
         )
         self.runs = select(x.c.id, next_due, last.c.due_at, last.c.status).select_from(
             x.outerjoin(last, true())
+        )
+        # A schedule's history, newest first: a backward walk of
+        # jobs_schedule_due_idx that stops after p_limit rows, however long
+        # the history (the id only breaks ties of equal due times).
+        self.history = (
+            select(*job_columns(jobs))
+            .where(jobs.c.schedule_id == bindparam("p_id", type_=BigInteger), jobs.c.due_at <= now)
+            .order_by(jobs.c.due_at.desc(), jobs.c.id.desc())
+            .limit(bindparam("p_limit"))
         )
 
         # -- planning --

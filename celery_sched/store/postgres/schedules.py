@@ -131,6 +131,15 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
             if next_due is not None or last_due is not None
         }
 
+    def schedule_history(self, schedule_id: int, *, limit: int) -> list[Job]:
+        if limit < 1:
+            return []
+        params = {"p_id": schedule_id, "p_limit": limit}
+        rows = self.database.transaction(
+            "schedule_history", lambda conn: conn.execute(self._sq.history, params).all()
+        )
+        return [job_of(row) for row in rows]
+
     def replace_schedule(
         self, schedule: NewSchedule, *, expected_version: int, restart: bool
     ) -> StoredSchedule | None:

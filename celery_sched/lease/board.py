@@ -1,0 +1,115 @@
+"""The leader board on Redis: who leads each shard, for operators.
+
+Per shard, beside the lease key ``{prefix}:lease:{n}`` (whose value is the
+holder's token, ``host:pid:<random>``, and whose PTTL is the lease's time
+left), the leader writes ``{prefix}:leader:{n}``: a small JSON report of its
+host, pid, epoch and the end of its last pass by the store's clock. One
+``SET ... EX`` per post, and the leader posts at most about once a second
+(:mod:`celery_sched.leader.presence`); a report outlives its leader by a day,
+so a dead leader's last pass stays visible. :meth:`RedisLeaderBoard.read`
+reads every shard's three values in one pipelined round trip.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import redis
+
+from celery_sched.interfaces import LeaderBoard
+from celery_sched.lease.elector import token_holder
+from celery_sched.lease.redis import lease_key, translate
+from celery_sched.models import LeaderReport, LeaderView
+
+T = TypeVar("T")
+
+#: Seconds a leader's report is kept after its last post.
+REPORT_TTL = 86400
+
+
+def report_key(prefix: str, shard: int) -> str:
+    """The Redis key of shard ``shard``'s last leader report."""
+    return f"{prefix}:leader:{shard}"
+
+
+def encode_report(report: LeaderReport) -> str:
+    return json.dumps(
+        {
+            "host": report.host,
+            "pid": report.pid,
+            "epoch": report.epoch,
+            "pass_at": report.pass_at.isoformat(),
+        },
+        sort_keys=True,
+    )
+
+
+def decode_report(shard: int, raw: str | bytes | None) -> LeaderReport | None:
+    """The report stored for ``shard``; ``None`` if absent or unreadable
+    (a report is informative only: a bad one must not break the reader)."""
+    if raw is None:
+        return None
+    try:
+        data: Any = json.loads(raw)
+        return LeaderReport(
+            shard=shard,
+            host=str(data["host"]),
+            pid=int(data["pid"]),
+            epoch=int(data["epoch"]),
+            pass_at=dt.datetime.fromisoformat(data["pass_at"]),
+        )
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+class RedisLeaderBoard(LeaderBoard):
+    """:class:`~celery_sched.interfaces.LeaderBoard` on Redis keys under ``prefix``."""
+
+    def __init__(self, client: redis.Redis, *, prefix: str) -> None:
+        if not prefix:
+            raise ValueError("the Redis key prefix must not be empty")
+        self._client = client
+        self._prefix = prefix
+
+    def post(self, report: LeaderReport) -> None:
+        key = report_key(self._prefix, report.shard)
+        self._call(lambda: self._client.set(key, encode_report(report), ex=REPORT_TTL))
+
+    def read(self, shards: Sequence[int]) -> list[LeaderView]:
+        def fetch() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for shard in shards:
+                pipe.get(lease_key(self._prefix, shard))
+                pipe.pttl(lease_key(self._prefix, shard))
+                pipe.get(report_key(self._prefix, shard))
+            return list(pipe.execute())
+
+        replies = self._call(fetch)
+        views = []
+        for index, shard in enumerate(shards):
+            token, pttl, raw = replies[3 * index : 3 * index + 3]
+            holder = None if token is None else token_holder(_text(token))
+            views.append(
+                LeaderView(
+                    shard=shard,
+                    holder=holder,
+                    # PTTL: -2 no key, -1 no expiry (never for a lease).
+                    ttl=pttl / 1000 if holder is not None and pttl >= 0 else None,
+                    report=decode_report(shard, raw),
+                )
+            )
+        return views
+
+    @staticmethod
+    def _call(fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except redis.RedisError as exc:
+            raise translate(exc) from exc
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
