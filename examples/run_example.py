@@ -1,9 +1,15 @@
 """celery_sched end to end: schedule jobs, run two beats and a worker, watch them run.
 
-Run it with ``./scripts/example.sh``, or ``python examples/run_example.py``
-once PostgreSQL, Redis and RabbitMQ are up. It works in its own schema,
+Run it with ``./scripts/example.sh``, or ``python examples/run_example.py``.
+It uses PostgreSQL, Redis and the broker (RabbitMQ) at the configured URLs
+(``CELERY_SCHED_DATABASE_URL``, ``CELERY_SCHED_REDIS_URL``,
+``CELERY_BROKER_URL``; 127.0.0.1 by default). When any of them does not
+answer, it starts the dev server instead (``python -m celery_sched dev``:
+PostgreSQL and Redis from the ``celery_sched[dev]`` wheels, its Redis also
+the broker) in ``examples/.celery_sched-dev`` and stops it at the end, so a
+machine with only Python runs it too. It works in its own schema,
 ``celery_sched_example``, which it drops at the start so that every run
-begins from nothing. Two parts:
+begins from nothing. ``--jobs`` and ``--soon`` make it smaller. Two parts:
 
 1. Schedule 100,000 reminders over the next 24 hours in one bulk call and
    show how they are stored (counts per status and per hour).
@@ -21,6 +27,8 @@ begins from nothing. Two parts:
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as dt
 import os
 import random
@@ -32,12 +40,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kombu
 import psycopg
+import redis
+from kombu.utils.url import maybe_sanitize_url
 from proj.celery_app import app
 from proj.tasks import send_reminder
 from psycopg import sql
 
 from celery_sched import Client, JobStatus
+from celery_sched import dev as devserver
+from celery_sched.errors import DevServerError
 from celery_sched.settings import Settings
 
 SCHEMA = "celery_sched_example"
@@ -48,6 +61,54 @@ SOON_SPREAD = 10.0  # seconds over which the "soon" jobs fall due
 EXAMPLES = Path(__file__).resolve().parent
 
 
+def unanswered() -> list[str]:
+    """The configured services that do not answer, each with its sanitized URL."""
+    settings = Settings.from_app(app)
+    missing = []
+    try:
+        psycopg.connect(settings.libpq_conninfo(), connect_timeout=3).close()
+    except psycopg.Error:
+        missing.append(f"PostgreSQL at {settings.safe_database_url}")
+    try:
+        with redis.Redis.from_url(settings.redis_url, socket_timeout=3) as client:
+            client.ping()
+    except redis.RedisError:
+        missing.append(f"Redis at {settings.safe_redis_url}")
+    broker = app.conf.broker_url
+    try:
+        with kombu.Connection(broker, connect_timeout=3) as conn:
+            conn.connect()
+    except Exception:  # each transport raises its own errors
+        missing.append(f"the broker at {maybe_sanitize_url(broker)}")
+    return missing
+
+
+@contextlib.contextmanager
+def services(dev_data_dir: Path) -> Iterator[None]:
+    """Use the configured services, or the dev server when any does not answer."""
+    missing = unanswered()
+    if not missing:
+        yield
+        return
+    print(f"{', '.join(missing)} did not answer;")
+    print(f"starting the dev server (python -m celery_sched dev) in {dev_data_dir}")
+    try:
+        server = devserver.start(dev_data_dir)
+    except DevServerError as exc:
+        raise SystemExit(f"run_example.py: {exc}") from exc
+    # The beats and the worker started below inherit these.
+    os.environ.update(server.environment())
+    app.conf.broker_url = server.broker_url
+    print(f"  PostgreSQL {server.database_url}")
+    print(f"  Redis      {server.redis_url} (broker: {server.broker_url})\n")
+    try:
+        yield
+    finally:
+        if server.started:
+            devserver.stop(dev_data_dir)
+            print("stopped the dev server.")
+
+
 def drop_schema() -> None:
     """Drop the example schema so that a rerun starts clean."""
     conninfo = Settings.from_app(app).libpq_conninfo()
@@ -55,10 +116,10 @@ def drop_schema() -> None:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
 
 
-def reminders(start: dt.datetime) -> Iterator[dict[str, Any]]:
+def reminders(start: dt.datetime, count: int) -> Iterator[dict[str, Any]]:
     """One reminder per user, due at a random moment within ``HORIZON``."""
     rng = random.Random(2024)  # a fixed seed keeps the printed counts stable
-    for user_id in range(JOB_COUNT):
+    for user_id in range(count):
         yield {
             "task": send_reminder.name,
             "args": (user_id, "your trial ends soon"),
@@ -69,6 +130,23 @@ def reminders(start: dt.datetime) -> Iterator[dict[str, Any]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--jobs", type=int, default=JOB_COUNT, help="jobs over the next 24 h")
+    parser.add_argument("--soon", type=int, default=SOON_COUNT, help="jobs due within seconds")
+    parser.add_argument(
+        "--dev-data-dir",
+        type=Path,
+        default=EXAMPLES / ".celery_sched-dev",
+        help="the dev server's folder, when the services do not answer",
+    )
+    args = parser.parse_args()
+    if args.jobs < 0 or args.soon < 1:
+        parser.error("--jobs must be >= 0 and --soon >= 1")
+    with services(args.dev_data_dir):
+        run(args.jobs, args.soon)
+
+
+def run(job_count: int, soon_count: int) -> None:
     # Settings come from app.conf (or CELERY_SCHED_* environment variables).
     app.conf.celery_sched_db_schema = SCHEMA
     app.conf.celery_sched_key_prefix = SCHEMA
@@ -79,14 +157,14 @@ def main() -> None:
 
         start = dt.datetime.now(dt.UTC)
         began = time.perf_counter()
-        written = client.schedule_many(reminders(start))
+        written = client.schedule_many(reminders(start, job_count))
         elapsed = time.perf_counter() - began
         print(f"scheduled {written:,} jobs in {elapsed:.2f}s ({written / elapsed:,.0f} jobs/s)")
 
         # One job at a time; the arguments mirror Celery's send_task.
         job = client.schedule(
             send_reminder.name,
-            args=(JOB_COUNT, "one more"),
+            args=(job_count, "one more"),
             countdown=600,
             key="reminder:extra",
             queue="celery",
@@ -104,7 +182,7 @@ def main() -> None:
         for hour, count in sorted(client.counts_by_hour().items()):
             print(f"  {hour:%Y-%m-%d %H:00}  {count:>6,}")
 
-        run_beats_and_worker(client)
+        run_beats_and_worker(client, soon_count)
 
 
 def start(name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -123,8 +201,8 @@ def start(name: str, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
-def run_beats_and_worker(client: Client) -> None:
-    print(f"\nstarting two beats and a worker, then scheduling {SOON_COUNT:,} jobs:")
+def run_beats_and_worker(client: Client, soon_count: int) -> None:
+    print(f"\nstarting two beats and a worker, then scheduling {soon_count:,} jobs:")
     procs = [
         start("worker", "worker", "--pool=threads", "--concurrency=8", "--loglevel=INFO"),
         start("beat-1", "beat", "-S", "celery_sched", "--loglevel=INFO", "-s", "/dev/null"),
@@ -136,10 +214,10 @@ def run_beats_and_worker(client: Client) -> None:
             {
                 "task": send_reminder.name,
                 "args": (user_id, "your order has shipped"),
-                "eta": start_at + dt.timedelta(seconds=SOON_SPREAD * i / SOON_COUNT),
+                "eta": start_at + dt.timedelta(seconds=SOON_SPREAD * i / soon_count),
                 "key": f"shipped:{user_id}",
             }
-            for i, user_id in enumerate(range(SOON_COUNT))
+            for i, user_id in enumerate(range(soon_count))
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -147,8 +225,8 @@ def run_beats_and_worker(client: Client) -> None:
             counts = client.counts_by_status()
             shown = ", ".join(f"{status} {n:,}" for status, n in sorted(counts.items()))
             print(f"  {shown}")
-            if counts.get(JobStatus.SUCCEEDED, 0) >= SOON_COUNT:
-                print(f"every one of the {SOON_COUNT:,} jobs ran; the rest wait for tomorrow.")
+            if counts.get(JobStatus.SUCCEEDED, 0) >= soon_count:
+                print(f"every one of the {soon_count:,} jobs ran; the rest wait for tomorrow.")
                 break
         else:
             raise SystemExit("the jobs did not all run within 3 minutes; see examples/.*.log")

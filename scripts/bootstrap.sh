@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Set up a checkout: .venv with the package (editable) and its test, lint and
-# bench extras, then the local services. Idempotent; a re-run skips pip unless
-# pyproject.toml changed or the package no longer imports.
+# Set up a checkout: .venv with the package (editable) and its test, lint,
+# bench and dev extras, then the local services. Idempotent; a re-run skips pip
+# unless pyproject.toml changed or the package no longer imports.
+#
+# --python-only stops after the venv: no system package, no service. That is
+# what scripts/example.sh runs, on machines where services cannot be installed
+# too; the example falls back to the dev server (celery_sched[dev]).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,10 +32,14 @@ fi
 wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]] ||
     ! "$VENV/bin/python" -c 'import celery_sched' 2>/dev/null; then
-    log "installing celery_sched[test,lint,bench] into $VENV"
+    log "installing celery_sched[test,lint,bench,dev] into $VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -e '.[test,lint,bench]'
+        -e '.[test,lint,bench,dev]'
     printf '%s\n' "$wanted" >"$STAMP"
+fi
+
+if [[ "${1:-}" == "--python-only" ]]; then
+    exit 0
 fi
 
 # The compose file is checked with `docker compose config` (or the standalone
@@ -60,6 +68,23 @@ if ! command -v pgbouncer >/dev/null 2>&1 && [[ ! -x /usr/sbin/pgbouncer ]]; the
         }
     else
         log "WARNING: pgbouncer is not installed; the PgBouncer tests will fail until it is"
+    fi
+fi
+
+# tests/integration/test_prometheus_dashboard.py runs a private Prometheus
+# server (Debian's, 2.42 on Debian 12) on a port and data directory of its own,
+# and fails without one. Its system service is not used (nor started here).
+if ! command -v prometheus >/dev/null 2>&1 && [[ ! -x /usr/bin/prometheus ]]; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "installing prometheus (Debian package) for the dashboard test"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            prometheus >/dev/null 2>&1 || {
+            apt-get update -qq >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                prometheus >/dev/null
+        }
+    else
+        log "WARNING: prometheus is not installed; the dashboard test will fail until it is"
     fi
 fi
 

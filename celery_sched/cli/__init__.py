@@ -9,6 +9,7 @@ the package that print.
 from celery_sched.cli import (  # noqa: F401  (they register commands)
     beat_options,
     core,
+    dev,
     jobs,
     schedules,
     transfer,
