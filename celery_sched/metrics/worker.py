@@ -36,6 +36,8 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from celery_sched.models import ClaimOutcome
+
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge
 
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 #: Values of ``outcome`` besides the ledger's own (``ClaimOutcome``).
 UNAVAILABLE = "unavailable"
+#: Every value of ``outcome``, exported at 0 until first counted.
+OUTCOMES = (*(outcome.value for outcome in ClaimOutcome), UNAVAILABLE)
 
 _outcomes: Counter | None = None
 _held: Gauge | None = None
@@ -87,6 +91,10 @@ def setup(port: int) -> None:
             ["outcome"],
             registry=None,
         )
+        # Every outcome from the start, at 0: a dashboard's rate() then has a
+        # series to show before the first of each (unavailable: an outage).
+        for outcome in OUTCOMES:
+            _outcomes.labels(outcome)
         _held = Gauge(
             "celery_sched_status_reports_held",
             "Job status reports waiting to be written, over the worker's live processes.",

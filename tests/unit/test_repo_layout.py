@@ -36,7 +36,14 @@ def _readme() -> str:
 
 def test_compose_has_every_service() -> None:
     services = _compose()["services"]
-    assert set(services) == {"postgres", "redis", "rabbitmq", *CELERY_SERVICES}
+    assert set(services) == {
+        "postgres",
+        "redis",
+        "rabbitmq",
+        "prometheus",
+        "grafana",
+        *CELERY_SERVICES,
+    }
     assert services["postgres"]["image"] == "postgres:15"
     assert services["redis"]["image"] == "redis:7"
     assert services["rabbitmq"]["image"] == "rabbitmq:3-management"
@@ -56,6 +63,25 @@ def test_compose_runs_two_beats_after_migration() -> None:
         assert needs["migrate"]["condition"] == "service_completed_successfully", name
         for backing in ("postgres", "redis", "rabbitmq"):
             assert needs[backing]["condition"] == "service_healthy", (name, backing)
+
+
+def test_compose_beats_and_workers_serve_metrics_that_prometheus_scrapes() -> None:
+    services = _compose()["services"]
+    beat_port = services["beat"]["environment"]["CELERY_SCHED_METRICS_PORT"]
+    worker_port = services["worker"]["environment"]["CELERY_SCHED_WORKER_METRICS_PORT"]
+    check = services["beat"]["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python", "-c"], check
+    assert "/healthz" in check[3] and "CELERY_SCHED_METRICS_PORT" in check[3], check
+    volumes = services["prometheus"]["volumes"]
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in volumes
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    scraped = {
+        (sd["names"][0], str(sd["port"]))
+        for job in config["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+    }
+    # Every replica by its service name (compose's DNS answers with all of them).
+    assert scraped == {("beat", beat_port), ("worker", worker_port)}
 
 
 def test_compose_configures_every_celery_service() -> None:
