@@ -46,7 +46,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +276,28 @@ def _terminate(pid: int, name: str, signals: Sequence[tuple[signal.Signals, floa
             time.sleep(0.05)
 
 
+def _await_answer(
+    proc: subprocess.Popen[bytes],
+    *,
+    what: str,
+    answers: Callable[[], bool],
+    timeout: float,
+    log: Path,
+    name: str,
+    signals: Sequence[tuple[signal.Signals, float]],
+    poll: float,
+) -> int:
+    """Wait until the server ``proc`` answers; else end it and say why, from its log."""
+    deadline = time.monotonic() + timeout
+    while not answers():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _terminate(proc.pid, name, signals)
+            reason = "exited" if proc.returncode is not None else f"did not answer in {timeout:g}s"
+            raise DevServerError(f"{what} {reason}: {_log_tail(log)} (log: {log})")
+        time.sleep(poll)
+    return proc.pid
+
+
 # -- PostgreSQL ------------------------------------------------------------------------
 
 
@@ -317,18 +339,16 @@ class _Postgres:
             "unix_socket_directories=",
         ]
         proc = _spawn(argv, self.log, self.pgdata)
-        deadline = time.monotonic() + timeout
-        while not self._answers(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                _terminate(proc.pid, self.name, [(signal.SIGQUIT, 5), (signal.SIGKILL, 5)])
-                reason = (
-                    "exited" if proc.returncode is not None else f"did not answer in {timeout:g}s"
-                )
-                raise DevServerError(
-                    f"PostgreSQL {reason} on port {port}: {_log_tail(self.log)} (log: {self.log})"
-                )
-            time.sleep(0.1)
-        return proc.pid
+        return _await_answer(
+            proc,
+            what=f"PostgreSQL on port {port}",
+            answers=lambda: self._answers(port),
+            timeout=timeout,
+            log=self.log,
+            name=self.name,
+            signals=[(signal.SIGQUIT, 5), (signal.SIGKILL, 5)],
+            poll=0.1,
+        )
 
     def _initdb(self, bin_dir: Path, prefix: Sequence[str]) -> None:
         # A half-made cluster (initdb killed) would make initdb refuse the folder.
@@ -419,18 +439,16 @@ class _Redis:
             'logfile ""\n'
         )
         proc = _spawn([str(binary), str(self.conf)], self.log, self.dir)
-        deadline = time.monotonic() + timeout
-        while not self._answers(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                _terminate(proc.pid, self.name, [(signal.SIGKILL, 5)])
-                reason = (
-                    "exited" if proc.returncode is not None else f"did not answer in {timeout:g}s"
-                )
-                raise DevServerError(
-                    f"Redis {reason} on port {port}: {_log_tail(self.log)} (log: {self.log})"
-                )
-            time.sleep(0.05)
-        return proc.pid
+        return _await_answer(
+            proc,
+            what=f"Redis on port {port}",
+            answers=lambda: self._answers(port),
+            timeout=timeout,
+            log=self.log,
+            name=self.name,
+            signals=[(signal.SIGKILL, 5)],
+            poll=0.05,
+        )
 
     @staticmethod
     def _answers(port: int) -> bool:

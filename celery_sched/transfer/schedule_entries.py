@@ -84,32 +84,9 @@ def import_entries(
             result.skipped.append(entry)
             continue
         name = entry.name
-        if name in taken:
-            result.skipped.append(
-                Skipped(where=entry.where, name=name, reason="a schedule of that name is stored")
-            )
-            continue
-        if name in first_seen:
-            result.skipped.append(
-                Skipped(
-                    where=entry.where,
-                    name=name,
-                    reason=f"the name is taken by the entry at {first_seen[name]}",
-                    refused=True,
-                )
-            )
-            continue
-        try:
-            client.schedules.check(entry.fields, check_task=check_task)
-        except CelerySchedError as exc:
-            result.skipped.append(
-                Skipped(
-                    where=entry.where,
-                    name=name,
-                    reason=f"{type(exc).__name__}: {exc}",
-                    refused=True,
-                )
-            )
+        refusal = _refusal(client, entry, taken, first_seen, check_task=check_task)
+        if refusal is not None:
+            result.skipped.append(refusal)
             continue
         first_seen[name] = entry.where
         result.added.append(entry)
@@ -120,3 +97,28 @@ def import_entries(
         if entry.paused:
             client.schedules.pause(entry.name)
     return result
+
+
+def _refusal(
+    client: Client,
+    entry: ScheduleEntry,
+    taken: set[str],
+    first_seen: dict[str, str],
+    *,
+    check_task: bool,
+) -> Skipped | None:
+    """Why ``entry`` is not added (stored already, named twice, invalid), or None."""
+    if entry.name in taken:
+        return Skipped(
+            where=entry.where, name=entry.name, reason="a schedule of that name is stored"
+        )
+    if entry.name in first_seen:
+        reason = f"the name is taken by the entry at {first_seen[entry.name]}"
+    else:
+        try:
+            client.schedules.check(entry.fields, check_task=check_task)
+        except CelerySchedError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            return None
+    return Skipped(where=entry.where, name=entry.name, reason=reason, refused=True)

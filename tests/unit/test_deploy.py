@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.integration.test_image_env import build_context, instructions
+from tests.series import BEAT_SERIES, WORKER_SERIES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -27,26 +28,8 @@ KUBERNETES = DEPLOY / "kubernetes"
 #: policy/v1 and every field used exist since 1.25).
 KUBERNETES_VERSION = "1.30.0"
 
-#: Every series of beats and workers (README, "Metrics and health"): the
-#: dashboard shows each of them.
-SERIES = (
-    "celery_sched_leader",
-    "celery_sched_epoch",
-    "celery_sched_dispatched_total",
-    "celery_sched_publish_failures_total",
-    "celery_sched_dispatch_lag_seconds_bucket",
-    "celery_sched_claim_seconds_bucket",
-    "celery_sched_staged_jobs",
-    "celery_sched_requeued_total",
-    "celery_sched_dead_total",
-    "celery_sched_missed_total",
-    "celery_sched_planned_occurrences_total",
-    "celery_sched_pass_failures_total",
-    "celery_sched_jobs",
-    "celery_sched_oldest_due_pending_seconds",
-    "celery_sched_ledger_outcomes_total",
-    "celery_sched_status_reports_held",
-)
+#: Every series of beats and workers: the dashboard shows each of them.
+SERIES = (*BEAT_SERIES, *WORKER_SERIES)
 
 
 # -- .dockerignore ----------------------------------------------------------------
