@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import psycopg
+import psycopg.sql
 import redis
 
 from celery_sched.settings import Settings
@@ -412,6 +414,20 @@ class RawConsumer(threading.Thread):
         for received, items in self._raw:
             for payload in items:
                 yield decode(payload, received)
+
+
+def drop_indexes(conninfo: str, schema: str, names: Sequence[str]) -> None:
+    """Drop these indexes of ``schema`` (an A/B of what an index costs); each must exist."""
+    if not names:
+        return
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        for name in names:
+            conn.execute(
+                psycopg.sql.SQL("DROP INDEX {}.{}").format(
+                    psycopg.sql.Identifier(schema), psycopg.sql.Identifier(name)
+                )
+            )
+    progress("dropped index(es) %s of %s", ", ".join(names), schema)
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -24,10 +24,11 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
+from _common import drop_indexes
 from celery import Celery
 
 from celery_sched.client import Client
@@ -85,7 +86,9 @@ def copy_tuple(job: NewJob) -> tuple[Any, ...]:
     )
 
 
-def run_once(app: Celery, n: int, profile: bool, index: int) -> dict[str, float]:
+def run_once(
+    app: Celery, n: int, profile: bool, index: int, without: Sequence[str] = ()
+) -> dict[str, float]:
     schema = unique_name("bench_bulk")
     settings = Settings(database_url=DATABASE_URL, db_schema=schema)
     conninfo = settings.libpq_conninfo()
@@ -93,6 +96,7 @@ def run_once(app: Celery, n: int, profile: bool, index: int) -> dict[str, float]
     try:
         with Client(app, settings=settings) as client:
             client.migrate()
+            drop_indexes(conninfo, schema, without)
             # The caller's input exists before the call; only scheduling is timed.
             inputs = list(rows(n, start))
             profiler = cProfile.Profile() if profile else None
@@ -166,6 +170,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile schedule_many")
+    parser.add_argument(
+        "--without-index",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="drop this index of the jobs table after migrating (an A/B of its cost)",
+    )
     args = parser.parse_args()
 
     app = make_app()
@@ -174,7 +185,9 @@ def main() -> None:
         f"{Settings(database_url=DATABASE_URL).safe_database_url}",
         flush=True,
     )
-    results = [run_once(app, args.jobs, args.profile, i + 1) for i in range(args.runs)]
+    results = [
+        run_once(app, args.jobs, args.profile, i + 1, args.without_index) for i in range(args.runs)
+    ]
     median = {
         key: statistics.median(r[key] for r in results)
         for key in ("schedule_many_jobs_per_s", "raw_copy_jobs_per_s", "ratio")
@@ -183,6 +196,7 @@ def main() -> None:
         "benchmark": "bulk_schedule",
         "jobs": args.jobs,
         "runs": args.runs,
+        "without_indexes": args.without_index,
         "schedule_many_jobs_per_s": round(median["schedule_many_jobs_per_s"]),
         "raw_copy_jobs_per_s": round(median["raw_copy_jobs_per_s"]),
         "ratio": round(median["ratio"], 3),

@@ -30,10 +30,11 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
+from _common import drop_indexes
 
 from celery_sched.ids import UUID7Source
 from celery_sched.leader.sweeping import CLAIMS_AHEAD
@@ -128,7 +129,13 @@ def claim_all(
 
 
 def run(
-    url: str, future: int, due: int, batch: int, claimers: list[int], keys: bool
+    url: str,
+    future: int,
+    due: int,
+    batch: int,
+    claimers: list[int],
+    keys: bool,
+    without: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     schema = unique_name("bench_claim")
     settings = Settings(database_url=url, db_schema=schema, statement_timeout=600.0)
@@ -136,6 +143,7 @@ def run(
     results = []
     try:
         store.migrate()
+        drop_indexes(settings.libpq_conninfo(), schema, without)
         started = time.perf_counter()
         with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
             # The future rows are filler: generate them server-side, which is
@@ -212,13 +220,27 @@ def main() -> None:
     parser.add_argument(
         "--url", default=os.environ.get("CELERY_SCHED_TEST_DATABASE_URL", DEFAULT_URL)
     )
+    parser.add_argument(
+        "--without-index",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="drop this index of the jobs table after migrating (an A/B of its cost)",
+    )
     args = parser.parse_args()
     runs = [
         result
         for future in args.future
-        for result in run(args.url, future, args.due, args.batch, args.claimers, args.keys)
+        for result in run(
+            args.url, future, args.due, args.batch, args.claimers, args.keys, args.without_index
+        )
     ]
-    summary: dict[str, Any] = {"benchmark": "claim", "due_jobs_have_keys": args.keys, "runs": runs}
+    summary: dict[str, Any] = {
+        "benchmark": "claim",
+        "due_jobs_have_keys": args.keys,
+        "without_indexes": args.without_index,
+        "runs": runs,
+    }
     most = max(args.claimers)
     beat_like = [r for r in runs if r["claimers"] == most]
     summary["claimers_as_the_beat"] = most

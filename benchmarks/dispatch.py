@@ -21,6 +21,7 @@ median at the same size.
 
     .venv/bin/python benchmarks/dispatch.py [--jobs 200000] [--runs 3] [--broker redis|amqp]
         [--legacy-sizes 200000 5000] [--legacy-runs 3] [--window 30] [--no-legacy] [--analyze]
+        [--metrics off|on|ab]
 
 Targets (Redis): >= 10,000 jobs/s and >= 25x celery-redbeat's rate.
 The last line printed is one JSON object.
@@ -29,7 +30,10 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import threading
 import time
+import urllib.request
 from typing import Any
 
 from _common import (
@@ -48,6 +52,7 @@ from _common import (
 from legacy_app import TASK, app
 
 from celery_sched.client import Client
+from tests.e2e.harness import free_port
 
 TARGET_RATE = 10_000.0
 TARGET_RATIO_REDBEAT = 25.0
@@ -76,7 +81,33 @@ def schedule_due_now(run: Run, jobs: int, *, analyze: bool = False) -> float:
     return time.perf_counter() - started
 
 
-def run_ours(broker: str, jobs: int, batch_size: int, index: int, analyze: bool) -> dict[str, Any]:
+class Scraper:
+    """Fetches a beat's /metrics every ``interval`` seconds, as Prometheus would."""
+
+    def __init__(self, port: int, interval: float = 1.0) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.interval = interval
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(self.url, timeout=5) as answer:
+                    answer.read()
+                self.scrapes += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.scrapes
+
+
+def run_ours(
+    broker: str, jobs: int, batch_size: int, index: int, analyze: bool, metrics: bool = False
+) -> dict[str, Any]:
     run = Run("dispatch", broker=broker, batch_size=batch_size)
     try:
         insert_s = schedule_due_now(run, jobs, analyze=analyze)
@@ -84,14 +115,20 @@ def run_ours(broker: str, jobs: int, batch_size: int, index: int, analyze: bool)
         depth = QueueDepth(run.broker, run.queue)
         try:
             started = time.monotonic()
-            beat = run.start_beat("beat")
+            env = {}
+            if metrics:
+                port = free_port()
+                env["CELERY_SCHED_METRICS_PORT"] = str(port)
+            beat = run.start_beat("beat", **env)
             cpu = CpuSampler(beat.pid)
+            scraper = Scraper(port) if metrics else None
             try:
                 samples = watch_depth(
                     depth, target=jobs, start_timeout=90, window=600, alive=beat.alive
                 )
             finally:
                 cpu.stop()
+                scrapes = None if scraper is None else scraper.stop()
         finally:
             depth.close()
         rate = arrival_rate(samples, jobs)
@@ -125,6 +162,8 @@ def run_ours(broker: str, jobs: int, batch_size: int, index: int, analyze: bool)
         )
         return {
             **rate,
+            "metrics": metrics,
+            "scrapes": scrapes,
             "insert_s": round(insert_s, 2),
             "beat_start_to_first_publish_s": rounded(startup, 2),
             # The beat process's CPU (all threads) per job while publishing.
@@ -185,10 +224,24 @@ def main() -> None:
     parser.add_argument(
         "--analyze", action="store_true", help="ANALYZE the jobs table after the insert"
     )
+    parser.add_argument(
+        "--metrics",
+        choices=("off", "on", "ab"),
+        default="off",
+        help="on: the beat serves /metrics (celery_sched_metrics_port) and is scraped every "
+        "second while it dispatches; ab: --runs pairs, off and on alternating, with the "
+        "medians of each and their ratios",
+    )
     ns = parser.parse_args()
 
     load_start = load_avg()
-    ours = [run_ours(ns.broker, ns.jobs, ns.batch_size, i + 1, ns.analyze) for i in range(ns.runs)]
+    if ns.metrics == "ab":
+        emit(metrics_ab(ns))
+        return
+    ours = [
+        run_ours(ns.broker, ns.jobs, ns.batch_size, i + 1, ns.analyze, ns.metrics == "on")
+        for i in range(ns.runs)
+    ]
     rates = [r["per_s"] for r in ours if r.get("complete")]
     our_rate = median(rates) if len(rates) == len(ours) else None
     beat_cpu = [r["beat_cpu_us_per_job"] for r in ours if r["beat_cpu_us_per_job"] is not None]
@@ -248,6 +301,41 @@ def main() -> None:
             "load_avg_1m_end": load_avg(),
         }
     )
+
+
+def metrics_ab(ns: argparse.Namespace) -> dict[str, Any]:
+    """Beat without and with metrics served and scraped, alternating in one invocation."""
+    load_start = load_avg()
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for i in range(ns.runs):
+        for side in ("off", "on"):
+            runs[side].append(
+                run_ours(ns.broker, ns.jobs, ns.batch_size, i + 1, ns.analyze, side == "on")
+            )
+
+    def medians(side: str) -> tuple[float | None, float | None]:
+        rates = [r["per_s"] for r in runs[side] if r.get("complete")]
+        cpu = [r["beat_cpu_us_per_job"] for r in runs[side] if r["beat_cpu_us_per_job"]]
+        return (median(rates) if rates else None, median(cpu) if cpu else None)
+
+    rate_off, cpu_off = medians("off")
+    rate_on, cpu_on = medians("on")
+    return {
+        "benchmark": "dispatch_metrics_ab",
+        "broker": ns.broker.split("://")[0],
+        "jobs": ns.jobs,
+        "pairs": ns.runs,
+        "scrape_interval_s": 1.0,
+        "jobs_per_s": {"off": rounded(rate_off, 1), "on": rounded(rate_on, 1)},
+        "beat_cpu_us_per_job": {"off": rounded(cpu_off, 1), "on": rounded(cpu_on, 1)},
+        "rate_ratio_on_vs_off": (rounded(rate_on / rate_off, 3) if rate_on and rate_off else None),
+        "cpu_ratio_on_vs_off": rounded(cpu_on / cpu_off, 3) if cpu_on and cpu_off else None,
+        "runs": {
+            side: [(r["per_s"], r["beat_cpu_us_per_job"]) for r in rs] for side, rs in runs.items()
+        },
+        "load_avg_1m_start": load_start,
+        "load_avg_1m_end": load_avg(),
+    }
 
 
 if __name__ == "__main__":
