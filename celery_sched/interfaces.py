@@ -43,6 +43,7 @@ from celery_sched.models import (
     PageCursor,
     PlanCommit,
     ReconcileResult,
+    RehomeResult,
     RequeueResult,
     ScheduleAdvance,
     ScheduleRuns,
@@ -283,6 +284,48 @@ class Jobs(StoreLifecycle):
         ``>= from_shard``: per shard, the count per status (shards and
         statuses with none are omitted). Read-only; reads only the partial
         indexes of those statuses, so it is cheap on a large table."""
+
+    # -- changing the shard count ---------------------------------------------
+
+    @abc.abstractmethod
+    def rehome(
+        self,
+        *,
+        shards: int,
+        shard_of: Callable[[str], int],
+        limit: int,
+        stranded_only: bool,
+        after: uuid.UUID | None = None,
+        dry_run: bool = False,
+    ) -> RehomeResult:
+        """Move up to ``limit`` unfinished jobs (pending, dispatched, running,
+        retrying) whose shard is not ``shard_of(key)`` to that shard; one
+        transaction. The key of a job without one is its id's text, as reads
+        present it; ``shard_of`` is the client's, so rows land where new
+        inserts of the same key would.
+
+        ``stranded_only``: only rows in shards ``>= shards`` (no beat leads
+        them), pending ones soonest due first, then the others; no cursor is
+        needed since moved rows leave that set. Otherwise one page of a full
+        pass in id order from ``after`` (exclusive), moving the misplaced
+        rows of the page; the result's ``after`` is where the next page
+        starts.
+
+        No global lock: each row moves only if it is still unfinished and in
+        the shard it was read in (re-checked on the row's latest version),
+        so a row claimed, reported or finished meanwhile is never lost or
+        moved twice. ``dry_run``: read and report, move nothing.
+        """
+
+    @abc.abstractmethod
+    def placed_for(self) -> int | None:
+        """The shard count the rows were last all placed for (see
+        :meth:`record_placement`); None when never recorded."""
+
+    @abc.abstractmethod
+    def record_placement(self, shards: int) -> None:
+        """Record that every unfinished row sits in the shard its key hashes
+        to under ``shards`` (after a full :meth:`rehome` pass)."""
 
     @abc.abstractmethod
     def reconcile(

@@ -48,6 +48,13 @@ from celery_sched.models.listing import (
     RequeueResult,
     requeued_allowance,
 )
+from celery_sched.models.rehoming import (
+    Rehomed,
+    RehomeResult,
+    RehomeRow,
+    check_rehome,
+    misplaced,
+)
 from celery_sched.models.reports import (
     REPORT_ERROR_LIMIT,
     REPORT_RETRY_IN_LIMIT,
@@ -114,6 +121,9 @@ __all__ = [
     "PageCursor",
     "PlanCommit",
     "ReconcileResult",
+    "RehomeResult",
+    "RehomeRow",
+    "Rehomed",
     "RequeueResult",
     "ScheduleAdvance",
     "ScheduleInfo",
@@ -123,11 +133,13 @@ __all__ = [
     "SyncResult",
     "WorkerUpdate",
     "accepted_content_types",
+    "check_rehome",
     "check_retry_in",
     "clean_text",
     "decode_body",
     "delivery_fence",
     "id_of_key",
     "jobs_from_rows",
+    "misplaced",
     "requeued_allowance",
 ]

@@ -265,4 +265,17 @@ def build_metadata(schema: str) -> MetaData:
         Column("holder", Text, nullable=True),
         _ts("acquired_at"),
     )
+
+    # At most one row: the shard count every unfinished row was last placed
+    # for. Shard 0's leader compares it with its own count to know when a
+    # full pass over the rows is due, instead of reading them all every
+    # pass; no row (a schema of before 0009) means one is. (0009)
+    Table(
+        "placement",
+        metadata,
+        Column("singleton", Boolean, primary_key=True, server_default=text("true")),
+        Column("shards", SmallInteger, nullable=False),
+        _ts("placed_at", nullable=False, now_default=True),
+        CheckConstraint("singleton", name="placement_singleton_check"),
+    )
     return metadata

@@ -43,6 +43,8 @@ class MemoryStoreBase(StoreLifecycle):
         self._by_key: dict[str, uuid.UUID] = {}
         self._epochs: dict[int, int] = {}
         self._holders: dict[int, str] = {}
+        #: The shard count the rows were last placed for (Jobs.record_placement).
+        self._placed_for: int | None = None
         self._schedules: dict[str, StoredSchedule] = {}
         self._schedule_ids = itertools.count(1)
         self._closed = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from celery_sched.errors import DuplicateJob, StaleEpoch
@@ -22,7 +22,11 @@ from celery_sched.models import (
     NewJob,
     PageCursor,
     ReconcileResult,
+    RehomeResult,
+    RehomeRow,
     RequeueResult,
+    check_rehome,
+    misplaced,
     requeued_allowance,
 )
 from celery_sched.store.memory.base import MemoryStoreBase
@@ -356,6 +360,54 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                     per_status = found.setdefault(job.shard, {})
                     per_status[job.status] = per_status.get(job.status, 0) + 1
         return found
+
+    # -- changing the shard count ---------------------------------------------
+
+    def rehome(
+        self,
+        *,
+        shards: int,
+        shard_of: Callable[[str], int],
+        limit: int,
+        stranded_only: bool,
+        after: uuid.UUID | None = None,
+        dry_run: bool = False,
+    ) -> RehomeResult:
+        check_rehome(shards=shards, limit=limit)
+        with self._lock:  # one lock stands in for the batch's transaction
+            unfinished = [job for job in self._jobs.values() if job.status in UNFINISHED_STATUSES]
+            following: uuid.UUID | None = None
+            if stranded_only:
+                stranded = [job for job in unfinished if job.shard >= shards]
+                # Pending first, soonest due first; then those in flight.
+                stranded.sort(
+                    key=lambda job: (job.status != JobStatus.PENDING, job.due_at, job.id.bytes)
+                )
+                chosen = stranded[:limit]
+            else:
+                # Postgres orders uuids by their bytes, as does this.
+                page = sorted(
+                    (job for job in unfinished if after is None or job.id.bytes > after.bytes),
+                    key=lambda job: job.id.bytes,
+                )
+                chosen = page[:limit]
+                following = chosen[-1].id if len(chosen) == limit else None
+            rows: list[RehomeRow] = [
+                (job.id, job.key, job.shard, job.status.value, job.due_at) for job in chosen
+            ]
+            wanted = misplaced(rows, shards=shards, shard_of=shard_of)
+            if not dry_run:
+                for move in wanted:
+                    self._update(self._jobs[move.id], shard=move.to_shard)
+            return RehomeResult(scanned=len(rows), moved=tuple(wanted), after=following)
+
+    def placed_for(self) -> int | None:
+        with self._lock:
+            return self._placed_for
+
+    def record_placement(self, shards: int) -> None:
+        with self._lock:
+            self._placed_for = shards
 
     def _move_fenced(self, ids: Sequence[uuid.UUID], epoch: int, **changes: Any) -> int:
         """Apply ``changes`` to the dispatched jobs among ``ids`` claimed by ``epoch``."""

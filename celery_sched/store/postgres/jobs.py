@@ -12,7 +12,7 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 from sqlalchemy import Row, Select, bindparam, delete, func, select, update
@@ -29,9 +29,13 @@ from celery_sched.models import (
     NewJobRow,
     PageCursor,
     ReconcileResult,
+    RehomeResult,
+    RehomeRow,
     RequeueResult,
+    check_rehome,
     id_of_key,
     jobs_from_rows,
+    misplaced,
 )
 from celery_sched.settings import Settings
 from celery_sched.store.postgres.base import PostgresStoreBase
@@ -91,6 +95,15 @@ class JobQueries:
                 "acquired_at": now,
             },
         ).returning(leaders.c.epoch)
+
+        # -- the shard count the rows were placed for --
+        placement = tables.placement
+        self.placed_for = select(placement.c.shards)
+        placed = pg_insert(placement).values(shards=bindparam("p_shards"), placed_at=now)
+        self.record_placement = placed.on_conflict_do_update(
+            index_elements=[placement.c.singleton],
+            set_={"shards": placed.excluded.shards, "placed_at": now},
+        )
 
         # -- reading --
         self.get_by_key = select(*columns).where(key_matches(jobs))
@@ -446,6 +459,84 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             found.setdefault(int(shard), {})[JobStatus(status)] = int(count)
         return found
 
+    # -- changing the shard count ---------------------------------------------
+
+    def rehome(
+        self,
+        *,
+        shards: int,
+        shard_of: Callable[[str], int],
+        limit: int,
+        stranded_only: bool,
+        after: uuid.UUID | None = None,
+        dry_run: bool = False,
+    ) -> RehomeResult:
+        check_rehome(shards=shards, limit=limit)
+        s = self.statements
+
+        def run(conn: Connection) -> RehomeResult:
+            following: uuid.UUID | None = None
+            if stranded_only:
+                rows = self._stranded(conn, shards, limit)
+            else:
+                if after is None:
+                    page = conn.execute(s.unfinished_first_page, {"p_limit": limit})
+                else:
+                    page = conn.execute(s.unfinished_page, {"p_limit": limit, "p_after": after})
+                rows = [_rehome_row(row) for row in page]
+                following = rows[-1][0] if len(rows) == limit else None
+            wanted = misplaced(rows, shards=shards, shard_of=shard_of)
+            if dry_run or not wanted:
+                return RehomeResult(scanned=len(rows), moved=tuple(wanted), after=following)
+            params = {
+                "r_ids": [move.id for move in wanted],
+                "r_from": [move.from_shard for move in wanted],
+                "r_to": [move.to_shard for move in wanted],
+            }
+            done = set(conn.execute(s.rehome, params).scalars())
+            return RehomeResult(
+                scanned=len(rows),
+                moved=tuple(move for move in wanted if move.id in done),
+                after=following,
+            )
+
+        # One transaction per batch: a batch that fails moves nothing, and
+        # the next one (or the next pass) reads the same rows again.
+        return self.database.transaction("rehome", run)
+
+    def _stranded(self, conn: Connection, shards: int, limit: int) -> list[RehomeRow]:
+        """Up to ``limit`` rows in shards ``>= shards``: the soonest due
+        pending ones of every such shard, then those in flight."""
+        s = self.statements
+        rows: list[RehomeRow] = []
+        shard = shards - 1
+        while True:
+            found = conn.execute(s.next_stranded_shard, {"p_after": shard}).scalar_one_or_none()
+            if found is None:
+                break
+            shard = int(found)
+            params = {"p_shard": shard, "p_limit": limit}
+            rows.extend(_rehome_row(row) for row in conn.execute(s.stranded_pending, params))
+        # Each shard's soonest, merged: the soonest of them all move first.
+        rows.sort(key=lambda row: (row[4], row[0].bytes))
+        del rows[limit:]
+        if len(rows) < limit:
+            params = {"p_shards": shards, "p_limit": limit - len(rows)}
+            rows.extend(_rehome_row(row) for row in conn.execute(s.stranded_in_flight, params))
+        return rows
+
+    def placed_for(self) -> int | None:
+        value = self.database.transaction(
+            "placed_for", lambda conn: conn.execute(self._jq.placed_for).scalar_one_or_none()
+        )
+        return None if value is None else int(value)
+
+    def record_placement(self, shards: int) -> None:
+        self.database.transaction(
+            "record_placement",
+            lambda conn: conn.execute(self._jq.record_placement, {"p_shards": shards}),
+        )
+
     def reconcile(
         self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
     ) -> ReconcileResult:
@@ -601,6 +692,10 @@ def _decode_options(rows: list[tuple[Any, ...]], at: int) -> Iterator[list[Any]]
             # when no value is itself a container.
             values[at] = dict(options) if flat[text] else json.loads(text)
         yield values
+
+
+def _rehome_row(row: Sequence[Any]) -> RehomeRow:
+    return (row[0], row[1], int(row[2]), row[3], row[4])
 
 
 def _sort_due(jobs: list[Job]) -> list[Job]:

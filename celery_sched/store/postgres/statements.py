@@ -98,6 +98,7 @@ class Tables:
     workers: Table
     ledger: Table
     schedules: Table
+    placement: Table
 
     @classmethod
     def of(cls, schema: str) -> Tables:
@@ -221,7 +222,9 @@ def claim_due(t: Tables) -> Update:
     c = t.jobs.c
     now = func.now()
     # The scan walks the partial pending index of one shard in due order
-    # and stops at the current minute, so future rows are never read.
+    # and stops at the current minute, so future rows are never read. (A
+    # row moved to another shard meanwhile fails the re-checked shard test,
+    # as in claim_ids.)
     due_ids = (
         select(_CTID)
         .where(
@@ -248,6 +251,12 @@ def claim_ids(t: Tables) -> Update:
     # instead (it does on a freshly loaded table with no statistics) and
     # read the whole backlog per batch. The outer UPDATE re-checks
     # status and due-ness on the locked row.
+    # The shard test is what keeps a staged id safe across a change of the
+    # shard count: a row moved to another shard (rehome) since it was
+    # staged fails it, and FOR UPDATE re-checks it on the row's latest
+    # version when the move commits first (or waits for the move when it
+    # holds the row), so the old shard's leader never claims it; the new
+    # shard's sweep or staging does, once.
     given_ids = (
         select(_CTID)
         .where(c.id == any_(_ids(t.jobs, "ids")), c.shard == bindparam("p_shard"))
@@ -416,6 +425,113 @@ def unfinished_by_shard(t: Tables) -> Any:
             .group_by(c.shard)
             for status in sorted(UNFINISHED_STATUSES)
         )
+    )
+
+
+# -- a changed shard count ----------------------------------------------------------
+
+_UNFINISHED = sorted(status.value for status in UNFINISHED_STATUSES)
+
+
+def _rehome_columns(t: Tables) -> tuple[Any, ...]:
+    c = t.jobs.c
+    # The key as the client hashed it: a keyless job's key is its id's text.
+    return (c.id, job_key(t.jobs), c.shard, c.status, c.due_at)
+
+
+def next_stranded_shard(t: Tables) -> Select[Any]:
+    """The lowest shard above ``p_after`` holding pending jobs (NULL: none)."""
+    c = t.jobs.c
+    # min() over the pending index, which leads with shard: one probe per
+    # stranded shard however many rows each holds (a loose index scan).
+    return select(func.min(c.shard)).where(c.status == PENDING, c.shard > bindparam("p_after"))
+
+
+def stranded_pending(t: Tables) -> Select[Any]:
+    """Up to ``p_limit`` pending jobs of shard ``p_shard``, soonest due first
+    (a stranded shard's rows to move, read from its pending index in order)."""
+    c = t.jobs.c
+    return (
+        select(*_rehome_columns(t))
+        .where(c.status == PENDING, c.shard == bindparam("p_shard"))
+        .order_by(c.due_bucket, c.due_at)
+        .limit(bindparam("p_limit"))
+    )
+
+
+def stranded_in_flight(t: Tables) -> Select[Any]:
+    """Up to ``p_limit`` dispatched, running or retrying jobs in shards
+    ``>= p_shards``, soonest due first."""
+    c = t.jobs.c
+    # Few rows: each status's partial index holds only the jobs in flight.
+    return (
+        select(*_rehome_columns(t))
+        .where(
+            c.status.in_([DISPATCHED, RUNNING, RETRYING]),
+            c.shard >= bindparam("p_shards", type_=c.shard.type),
+        )
+        .order_by(c.due_at)
+        .limit(bindparam("p_limit"))
+    )
+
+
+def _unfinished_in_id_order(t: Tables, *tests: ColumnElement[bool]) -> Select[Any]:
+    c = t.jobs.c
+    return (
+        select(*_rehome_columns(t))
+        .where(c.status.in_([literal_column(f"'{status}'") for status in _UNFINISHED]), *tests)
+        .order_by(c.id)
+        .limit(bindparam("p_limit"))
+    )
+
+
+def unfinished_first_page(t: Tables) -> Select[Any]:
+    """The first ``p_limit`` unfinished jobs in id order: the first page of
+    a full resharding pass."""
+    return _unfinished_in_id_order(t)
+
+
+def unfinished_page(t: Tables) -> Select[Any]:
+    """Up to ``p_limit`` unfinished jobs with ids above ``p_after``, in id
+    order: the next page of a full resharding pass."""
+    # Keyset paging by primary key: each page is an index range of its own
+    # size, and a pass reads every row once however long it takes. (Two
+    # statements rather than "p_after IS NULL OR ...", which a generic plan
+    # could not turn into an index range.)
+    c = t.jobs.c
+    return _unfinished_in_id_order(t, c.id > bindparam("p_after", type_=c.id.type))
+
+
+def rehome(t: Tables) -> Update:
+    """Move the jobs ``r_ids`` from shard ``r_from`` to ``r_to`` (parallel
+    arrays), each only if it is still unfinished and still in ``r_from``;
+    returns the ids moved."""
+    c = t.jobs.c
+    # (UPDATE ... FROM unnest(...), as fail_dispatch does: one named
+    # statement for any batch size, where a VALUES list would be another
+    # statement per length.) A row a claim, the reconciler or a worker's
+    # report holds locked is waited for; READ COMMITTED then re-checks this
+    # WHERE on its latest version, so a row that finished meanwhile stays
+    # where it is and one claimed meanwhile moves dispatched (the new
+    # shard's reconciler takes over from there).
+    moves = (
+        func.unnest(
+            _ids(t.jobs, "r_ids"),
+            bindparam("r_from", type_=postgresql.ARRAY(Integer)),
+            bindparam("r_to", type_=postgresql.ARRAY(Integer)),
+        )
+        .table_valued("id", "from_shard", "to_shard")
+        .render_derived(name="moves", with_types=False)
+    )
+    return (
+        update(t.jobs)
+        .where(
+            c.id == moves.c.id,
+            c.shard == moves.c.from_shard,
+            c.status.in_([literal_column(f"'{status}'") for status in _UNFINISHED]),
+        )
+        .values(shard=moves.c.to_shard)
+        .returning(c.id)
     )
 
 
@@ -1040,6 +1156,12 @@ NAMED: tuple[Callable[[Tables], Any], ...] = (
     fail_dispatch,
     mark_missed,
     unfinished_by_shard,
+    next_stranded_shard,
+    stranded_pending,
+    stranded_in_flight,
+    unfinished_first_page,
+    unfinished_page,
+    rehome,
     requeue_dispatched,
     mark_untracked,
     requeue_retrying,
@@ -1077,6 +1199,12 @@ class Statements:
         self.fail_dispatch = fail_dispatch(t)
         self.mark_missed = mark_missed(t)
         self.unfinished_by_shard = unfinished_by_shard(t)
+        self.next_stranded_shard = next_stranded_shard(t)
+        self.stranded_pending = stranded_pending(t)
+        self.stranded_in_flight = stranded_in_flight(t)
+        self.unfinished_first_page = unfinished_first_page(t)
+        self.unfinished_page = unfinished_page(t)
+        self.rehome = rehome(t)
         self.requeue_dispatched = requeue_dispatched(t)
         self.mark_untracked = mark_untracked(t)
         self.requeue_retrying = requeue_retrying(t)
