@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery import beat
 
-from celery_sched.errors import ConfigurationError
 from celery_sched.settings import Settings
 
 if TYPE_CHECKING:
@@ -35,12 +34,10 @@ ERROR_DELAY = 1.0
 
 
 def check_shards(store: JobStore, shards: int) -> None:
-    """Refuse to start when unfinished jobs sit in shards ``>= shards``.
-
-    A lowered ``celery_sched_shards`` would leave them to no leader: never
-    dispatched, never requeued. Moving them is not done here; the error says
-    what is there so the operator can restore the count.
-    """
+    """Warn when unfinished jobs sit in shards ``>= shards`` (the count was
+    lowered): no beat leads them until they are moved, which shard 0's
+    leader does (:mod:`celery_sched.leader.rehoming`), soonest due first,
+    or ``celery -A proj sched reshard`` at once."""
     stranded = store.unfinished_by_shard(from_shard=shards)
     if not stranded:
         return
@@ -50,10 +47,14 @@ def check_shards(store: JobStore, shards: int) -> None:
             f"{count} {status.value}" for status, count in sorted(stranded[shard].items())
         )
         parts.append(f"shard {shard}: {counts}")
-    raise ConfigurationError(
-        f"celery_sched_shards is {shards}, but unfinished jobs are stored in shards "
-        f"{min(stranded)}..{max(stranded)} that no beat would lead ({'; '.join(parts)}); "
-        f"set celery_sched_shards to at least {max(stranded) + 1} until they have finished"
+    logger.warning(
+        "celery_sched_shards is %d, but unfinished jobs are stored in shards %d..%d (%s); "
+        "shard 0's leader will move them to the shard their key hashes to "
+        "(or run: celery -A proj sched reshard)",
+        shards,
+        min(stranded),
+        max(stranded),
+        "; ".join(parts),
     )
 
 

@@ -96,6 +96,12 @@ _MINUTE = dt.timedelta(minutes=1)
 _OptionFields = tuple[Mapping[str, Any], dt.datetime | None, int, float | None, float | None]
 
 
+def shard_of_key(key: str, shards: int) -> int:
+    """The shard of ``shards`` a job key belongs to (stable across processes):
+    where inserts put a job, and where a changed shard count moves it."""
+    return 0 if shards == 1 else zlib.crc32(key.encode()) % shards
+
+
 class JobBuilder:
     """Validates scheduling input against a Celery app and builds NewJobs.
 
@@ -327,7 +333,7 @@ class JobBuilder:
 
     def shard_of(self, key: str) -> int:
         """The shard a job key belongs to (stable across processes)."""
-        return 0 if self._shards == 1 else zlib.crc32(key.encode()) % self._shards
+        return shard_of_key(key, self._shards)
 
     # -- time -----------------------------------------------------------------
 

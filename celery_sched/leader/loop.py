@@ -1,5 +1,5 @@
-"""The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune -> backlog
--> presence.
+"""The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune -> rehome
+-> backlog -> presence.
 
 One :class:`Engine` runs in each beat process. All of them compete for the
 shard's lease through a :class:`~celery_sched.lease.elector.LeaderElector`
@@ -11,7 +11,7 @@ keeps their timers and runs whichever are due.
 
 Failure rules (each duty's module says what its own failure does):
 
-- Each duty of a pass (stage, pop, plan, sweep, reconcile, rescue, prune)
+- Each duty of a pass (stage, pop, plan, sweep, reconcile, rescue, prune, rehome)
   fails on its own: any exception is logged with its traceback and counted,
   the other duties still run, and the loop backs off. :meth:`Engine.step`
   never raises.
@@ -45,12 +45,14 @@ from celery_sched.leader.planning import Planning
 from celery_sched.leader.presence import Presence
 from celery_sched.leader.publishing import Publisher
 from celery_sched.leader.reconciler import Reconciler
+from celery_sched.leader.rehoming import Rehoming
 from celery_sched.leader.rescuer import Rescuer
 from celery_sched.leader.staging import Stager
 from celery_sched.leader.stats import EngineStats
 from celery_sched.leader.sweeping import Sweeper
 from celery_sched.schedules.rows import spec_of
 from celery_sched.timeutil import UTC
+from celery_sched.validation import shard_of_key
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import Dispatcher, JobStore, LeaderBoard, Ledger, Staging
@@ -105,6 +107,7 @@ class Engine:
         self._next_reconcile = 0.0
         self._next_plan = 0.0
         self._next_housekeeping = 0.0
+        self._next_rehome = 0.0
         self._next_rescue = 0.0
         self._next_backlog = 0.0
 
@@ -163,6 +166,15 @@ class Engine:
         self._reconciler = Reconciler(store, settings, stats)
         self._rescuer = Rescuer(store, settings, stats)
         self._housekeeper = Housekeeper(store, settings, stats, ledger)
+        shards = settings.shards
+        self._rehoming = Rehoming(
+            store=store,
+            staging=staging,
+            settings=settings,
+            store_clock=self._store_clock,
+            stats=stats,
+            shard_of=lambda key: shard_of_key(key, shards),
+        )
         self._presence = (
             None
             if board is None
@@ -294,7 +306,8 @@ class Engine:
         self._epoch = self._last_epoch = epoch
         self._stager.rewind()
         self._next_stage = self._next_sweep = self._next_reconcile = self._next_plan = 0.0
-        self._next_backlog = 0.0
+        self._next_backlog = self._next_rehome = 0.0
+        self._rehoming.elected()
         if self._planning is not None:
             self._planning.elected()
         if self._presence is not None:
@@ -362,6 +375,14 @@ class Engine:
             self._next_housekeeping = now + self._housekeeper.interval
             clean = clean and ok
             timings.append(("prune", self._clock()))
+        if now >= self._next_rehome:
+            # (Shard 0's leader only; every other leader returns at once.)
+            ok, rehoming = self._duty("rehome", self._rehoming.run)
+            # A pass cut short by its bound goes on right after dispatching.
+            self._next_rehome = now if rehoming else now + self._rehoming.interval
+            more = more or bool(rehoming)
+            clean = clean and ok
+            timings.append(("rehome", self._clock()))
         if now >= self._next_backlog:
             # Only read for the gauges, on a thread of its own: a failure is
             # logged and counted but does not hold dispatching back.

@@ -102,6 +102,8 @@ class EngineStats:
     #: Rescued jobs the idempotency ledger records as completed: succeeded.
     rescued_succeeded: int = 0
     pruned_workers: int = 0
+    #: Jobs moved to the shard their key hashes to (a changed shard count).
+    rehomed: int = 0
     #: Jobs whose own message could not be published (each counted an attempt).
     rejected: int = 0
     #: Late occurrences the misfire policy dropped at their first dispatch.

@@ -39,7 +39,18 @@ PUBLISH_FAILURE_REASONS = ("broker", "rejected", "withheld", "error")
 REQUEUE_REASONS = ("reconcile", "rescue", "publish_rejected")
 #: The leader's duties, the reasons of ``celery_sched_pass_failures_total``
 #: (``pass``: the loop itself, outside any duty).
-DUTIES = ("pass", "stage", "pop", "plan", "sweep", "reconcile", "rescue", "prune", "backlog")
+DUTIES = (
+    "pass",
+    "stage",
+    "pop",
+    "plan",
+    "sweep",
+    "reconcile",
+    "rescue",
+    "prune",
+    "rehome",
+    "backlog",
+)
 
 
 class BeatEndpoint:

@@ -453,15 +453,15 @@ def test_a_claim_retried_after_an_ambiguous_commit_loses_no_row(
     assert {job.attempt for job in again} == {1}
 
 
-def test_beat_refuses_to_start_with_rows_in_shards_that_no_longer_exist(
-    store: PostgresJobStore, settings: Settings
+def test_beat_starts_with_rows_in_shards_that_no_longer_exist_and_warns(
+    store: PostgresJobStore, settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 13: lowering celery_sched_shards stranded the rows of the shards
-    dropped (no beat leads them). Beat now refuses to start, naming them."""
+    """Issue 13 made beat refuse to start when a lowered celery_sched_shards
+    stranded rows; issue 17 moves them instead (shard 0's leader, or
+    ``sched reshard``), so beat starts and says so at WARNING."""
     from celery import Celery
 
     from celery_sched.beat import Scheduler, check_shards
-    from celery_sched.errors import ConfigurationError
 
     now = store.now()
     store.add_job(new_job("kept", now - dt.timedelta(seconds=1), shard=0))
@@ -470,12 +470,14 @@ def test_beat_refuses_to_start_with_rows_in_shards_that_no_longer_exist(
     store.add_job(new_job("s3", now - dt.timedelta(seconds=1), shard=3))
     epoch = store.acquire_epoch(3, "old fleet")
     assert len(store.claim_due(shard=3, epoch=epoch, limit=5)) == 1
-    check_shards(store, 4)  # the count they were written with: fine
-    with pytest.raises(ConfigurationError) as info:
+    with caplog.at_level(logging.WARNING, logger="celery_sched.beat"):
+        check_shards(store, 4)  # the count they were written with: nothing to say
+        assert not caplog.records
         check_shards(store, 2)
-    message = str(info.value)
+    [record] = caplog.records
+    message = record.getMessage()
     assert "shard 2: 3 pending" in message and "shard 3: 1 dispatched" in message
-    assert "at least 4" in message
+    assert "will move them" in message and "sched reshard" in message
 
     app = Celery("shards_test", set_as_current=False)
     app.conf.update(
@@ -485,8 +487,14 @@ def test_beat_refuses_to_start_with_rows_in_shards_that_no_longer_exist(
         celery_sched_key_prefix=settings.key_prefix,
         celery_sched_shards=2,
     )
-    with pytest.raises(ConfigurationError, match="shard 2: 3 pending"):
-        Scheduler(app)  # a real beat Scheduler: setup_schedule runs the check
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="celery_sched.beat"):
+        scheduler = Scheduler(app)  # a real beat Scheduler: setup_schedule runs the check
+    try:
+        assert any("shard 2: 3 pending" in r.getMessage() for r in caplog.records)
+        assert scheduler._engine is not None
+    finally:
+        scheduler.close()
 
 
 def test_the_shard_check_reads_only_partial_indexes(
