@@ -11,6 +11,7 @@ from celery_sched.cli import (  # noqa: F401  (they register commands)
     core,
     dev,
     jobs,
+    reshard,
     schedules,
     transfer,
 )
