@@ -297,6 +297,7 @@ class Jobs(StoreLifecycle):
         stranded_only: bool,
         after: uuid.UUID | None = None,
         dry_run: bool = False,
+        in_flight: bool = True,
     ) -> RehomeResult:
         """Move up to ``limit`` unfinished jobs (pending, dispatched, running,
         retrying) whose shard is not ``shard_of(key)`` to that shard; one
@@ -306,7 +307,9 @@ class Jobs(StoreLifecycle):
 
         ``stranded_only``: only rows in shards ``>= shards`` (no beat leads
         them), pending ones soonest due first, then the others; no cursor is
-        needed since moved rows leave that set. Otherwise one page of a full
+        needed since moved rows leave that set; ``in_flight=False`` leaves
+        out the dispatched, running and retrying ones (their scan reads every
+        job in flight, so the leader does it less often). Otherwise one page of a full
         pass in id order from ``after`` (exclusive), moving the misplaced
         rows of the page; the result's ``after`` is where the next page
         starts.

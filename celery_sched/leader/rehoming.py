@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -50,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between rehoming passes of shard 0's leader.
 REHOME_INTERVAL = 1.0
+#: Seconds between looks for stranded jobs in flight (dispatched, running,
+#: retrying). That scan reads every job in flight (their indexes do not lead
+#: with the shard), so it runs less often than the pending one, which is one
+#: index probe; a job in flight only needs its new shard's reconciler, which
+#: waits a visibility timeout (300 s by default) anyway.
+IN_FLIGHT_INTERVAL = 30.0
 #: Batches (of ``celery_sched_batch_size`` rows) one pass moves at most, of
 #: stranded rows and of a full pass each, so a large move never stalls
 #: dispatching; a pass that hits it asks to run again at once.
@@ -137,8 +144,12 @@ class Rehoming:
         store_clock: StoreClock,
         stats: EngineStats,
         shard_of: Callable[[str], int],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
+        self._clock = clock
+        #: When the next look at stranded jobs in flight is due (monotonic).
+        self._next_in_flight = 0.0
         self._staging = staging
         self._settings = settings
         self._store_clock = store_clock
@@ -157,6 +168,7 @@ class Rehoming:
         """Start over: another leader may have finished or begun a pass."""
         self._after = None
         self._full_pass_due = None
+        self._next_in_flight = 0.0
 
     def run(self) -> bool:
         """One pass; True when work was left for the next one."""
@@ -174,18 +186,41 @@ class Rehoming:
                     self._shards,
                 )
         if self._full_pass_due:
-            more = self._full_pass() or more
+            if self._shards == 1:
+                # Every key hashes to shard 0: the misplaced rows are exactly
+                # the stranded ones, so no walk over every unfinished row.
+                more = self._stranded(in_flight=True) or more
+                if not more:
+                    self._placed()
+            else:
+                more = self._full_pass() or more
         return more
 
-    def _stranded(self) -> bool:
+    def _stranded(self, *, in_flight: bool | None = None) -> bool:
+        """Move stranded jobs, a bounded number of batches; True if more are left.
+        In flight ones too when ``in_flight``, or (None) when their look is due."""
+        if in_flight is None:
+            now = self._clock()
+            in_flight = now >= self._next_in_flight
+            if in_flight:
+                self._next_in_flight = now + IN_FLIGHT_INTERVAL
         for _ in range(REHOME_BATCHES):
             result = self._store.rehome(
-                shards=self._shards, shard_of=self._shard_of, limit=self._batch, stranded_only=True
+                shards=self._shards,
+                shard_of=self._shard_of,
+                limit=self._batch,
+                stranded_only=True,
+                in_flight=in_flight,
             )
             self._moved(result, f"stranded in shards >= {self._shards}")
             if result.scanned < self._batch:
                 return False
         return True
+
+    def _placed(self) -> None:
+        self._store.record_placement(self._shards)
+        self._full_pass_due = False
+        logger.info("shard 0: every unfinished job is placed for %d shards", self._shards)
 
     def _full_pass(self) -> bool:
         for _ in range(REHOME_BATCHES):
@@ -199,9 +234,7 @@ class Rehoming:
             self._moved(result, "placed for another shard count")
             self._after = result.after
             if result.after is None:
-                self._store.record_placement(self._shards)
-                self._full_pass_due = False
-                logger.info("shard 0: every unfinished job is placed for %d shards", self._shards)
+                self._placed()
                 return False
         return True
 

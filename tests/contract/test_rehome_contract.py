@@ -118,6 +118,21 @@ def test_in_flight_rows_move_too_and_a_dry_run_moves_nothing(store: JobStore) ->
     assert [job.key for job in store.claim_due(shard=0, epoch=new_epoch, limit=5)] == ["flying"]
 
 
+def test_without_in_flight_only_pending_stranded_rows_move(store: JobStore) -> None:
+    now = store.now()
+    store.add_job(new_job("flying", now - SECOND, shard=3))
+    epoch = store.acquire_epoch(3, "old fleet")
+    store.claim_due(shard=3, epoch=epoch, limit=1)
+    store.add_job(new_job("waiting", now + SECOND, shard=3))
+    result = store.rehome(
+        shards=1, shard_of=hashed(1), limit=10, stranded_only=True, in_flight=False
+    )
+    assert [(m.status, m.to_shard) for m in result.moved] == [(JobStatus.PENDING, 0)]
+    assert shard_of_key(store, "waiting") == 0 and shard_of_key(store, "flying") == 3
+    result = store.rehome(shards=1, shard_of=hashed(1), limit=10, stranded_only=True)
+    assert [(m.status, m.to_shard) for m in result.moved] == [(JobStatus.DISPATCHED, 0)]
+
+
 def test_the_placement_is_recorded(store: JobStore) -> None:
     assert store.placed_for() is None
     store.record_placement(4)

@@ -13,7 +13,7 @@ import pytest
 
 from celery_sched.errors import StagingUnavailable, StoreUnavailable
 from celery_sched.leader.clock import StoreClock
-from celery_sched.leader.rehoming import REHOME_BATCHES, Rehoming, reshard
+from celery_sched.leader.rehoming import IN_FLIGHT_INTERVAL, REHOME_BATCHES, Rehoming, reshard
 from celery_sched.leader.stats import EngineStats
 from celery_sched.models import JobStatus
 from celery_sched.settings import Settings
@@ -182,3 +182,63 @@ def test_reshard_dry_run_counts_and_moves_nothing_then_the_real_pass_moves_all()
     assert sum(done.by_shards.values()) == expected
     assert all(target < 2 for _, target in done.by_shards)
     assert placed(store, keys, 2) and store.placed_for() == 2
+
+
+def dispatched_in(store: MemoryJobStore, key: str, shard: int) -> None:
+    """A job of ``key`` in ``shard``, claimed there (in flight)."""
+    store.add_job(new_job(key, store.now() - SECOND, shard=shard))
+    epoch = store.acquire_epoch(shard, f"leader-{key}")
+    [claimed] = store.claim_due(shard=shard, epoch=epoch, limit=1)
+    assert claimed.key == key
+
+
+def test_stranded_jobs_in_flight_are_looked_for_every_30_seconds() -> None:
+    store, staging = MemoryJobStore(), MemoryStaging()
+    store.record_placement(1)
+    now = [0.0]
+    settings = Settings(shards=1, shard=0, batch_size=5)
+    rehoming = Rehoming(
+        store=store,
+        staging=staging,
+        settings=settings,
+        store_clock=StoreClock(store, time.monotonic),
+        stats=EngineStats(),
+        shard_of=lambda key: shard_of_key(key, 1),
+        clock=lambda: now[0],
+    )
+    dispatched_in(store, "first", 2)
+    assert rehoming.run() is False
+    assert store.get("first").shard == 0  # type: ignore[union-attr]
+    # Pending stranded rows move on every pass; those in flight wait for their look.
+    dispatched_in(store, "second", 3)
+    store.add_job(new_job("waiting", store.now() + dt.timedelta(hours=1), shard=3))
+    now[0] = IN_FLIGHT_INTERVAL - 1
+    rehoming.run()
+    assert store.get("waiting").shard == 0  # type: ignore[union-attr]
+    assert store.get("second").shard == 3  # type: ignore[union-attr]
+    now[0] = IN_FLIGHT_INTERVAL
+    rehoming.run()
+    assert store.get("second").shard == 0  # type: ignore[union-attr]
+    assert store.get("second").status is JobStatus.DISPATCHED  # type: ignore[union-attr]
+
+
+def test_one_shard_records_its_placement_without_walking_every_row() -> None:
+    store, staging = MemoryJobStore(), MemoryStaging()
+    keys = written_under(store, 1, 12)
+    store.add_job(new_job("stranded", store.now() + SECOND, shard=2))
+    dispatched_in(store, "flying", 3)
+    assert store.placed_for() is None  # as after the upgrade to 0009
+    calls: list[bool] = []
+    original = store.rehome
+
+    def spy(**kwargs: Any) -> Any:
+        calls.append(kwargs["stranded_only"])
+        return original(**kwargs)
+
+    store.rehome = spy  # type: ignore[method-assign]
+    rehoming, _ = duty(store, staging, shards=1, batch=5)
+    while rehoming.run():
+        pass
+    assert store.placed_for() == 1
+    assert placed(store, [*keys, "stranded", "flying"], 1)
+    assert calls and all(calls), "a one-shard store needs no full pass over every row"

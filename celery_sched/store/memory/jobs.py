@@ -372,13 +372,18 @@ class MemoryJobs(MemoryStoreBase, Jobs):
         stranded_only: bool,
         after: uuid.UUID | None = None,
         dry_run: bool = False,
+        in_flight: bool = True,
     ) -> RehomeResult:
         check_rehome(shards=shards, limit=limit)
         with self._lock:  # one lock stands in for the batch's transaction
             unfinished = [job for job in self._jobs.values() if job.status in UNFINISHED_STATUSES]
             following: uuid.UUID | None = None
             if stranded_only:
-                stranded = [job for job in unfinished if job.shard >= shards]
+                stranded = [
+                    job
+                    for job in unfinished
+                    if job.shard >= shards and (in_flight or job.status is JobStatus.PENDING)
+                ]
                 # Pending first, soonest due first; then those in flight.
                 stranded.sort(
                     key=lambda job: (job.status != JobStatus.PENDING, job.due_at, job.id.bytes)

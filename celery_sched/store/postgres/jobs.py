@@ -470,6 +470,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         stranded_only: bool,
         after: uuid.UUID | None = None,
         dry_run: bool = False,
+        in_flight: bool = True,
     ) -> RehomeResult:
         check_rehome(shards=shards, limit=limit)
         s = self.statements
@@ -477,7 +478,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         def run(conn: Connection) -> RehomeResult:
             following: uuid.UUID | None = None
             if stranded_only:
-                rows = self._stranded(conn, shards, limit)
+                rows = self._stranded(conn, shards, limit, in_flight=in_flight)
             else:
                 if after is None:
                     page = conn.execute(s.unfinished_first_page, {"p_limit": limit})
@@ -504,9 +505,11 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         # the next one (or the next pass) reads the same rows again.
         return self.database.transaction("rehome", run)
 
-    def _stranded(self, conn: Connection, shards: int, limit: int) -> list[RehomeRow]:
+    def _stranded(
+        self, conn: Connection, shards: int, limit: int, *, in_flight: bool
+    ) -> list[RehomeRow]:
         """Up to ``limit`` rows in shards ``>= shards``: the soonest due
-        pending ones of every such shard, then those in flight."""
+        pending ones of every such shard, then (``in_flight``) those in flight."""
         s = self.statements
         rows: list[RehomeRow] = []
         shard = shards - 1
@@ -520,7 +523,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         # Each shard's soonest, merged: the soonest of them all move first.
         rows.sort(key=lambda row: (row[4], row[0].bytes))
         del rows[limit:]
-        if len(rows) < limit:
+        if in_flight and len(rows) < limit:
             params = {"p_shards": shards, "p_limit": limit - len(rows)}
             rows.extend(_rehome_row(row) for row in conn.execute(s.stranded_in_flight, params))
         return rows
