@@ -149,10 +149,14 @@ class SentinelSet:
         for port in self.sentinel_ports:
             try:
                 with _client(port) as client:
-                    host, master_port = client.sentinel_get_master_addr_by_name(SERVICE)
-            except (redis.RedisError, TypeError):
+                    reply = client.sentinel_get_master_addr_by_name(SERVICE)
+            except redis.RedisError:
                 continue
-            votes[(str(host), int(master_port))] = votes.get((str(host), int(master_port)), 0) + 1
+            if not reply:
+                continue
+            host, master_port = reply
+            address = (host.decode() if isinstance(host, bytes) else str(host), int(master_port))
+            votes[address] = votes.get(address, 0) + 1
         winners = [address for address, count in votes.items() if count >= QUORUM]
         return winners[0] if winners else None
 
