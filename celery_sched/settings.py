@@ -69,7 +69,11 @@ class Settings:
         "SQLAlchemy URL of the PostgreSQL job store (`postgresql+psycopg://...`).",
     )
     redis_url: str = _field(
-        "redis://127.0.0.1:6379/0", "Redis URL for the leader lease and the staging set."
+        "redis://127.0.0.1:6379/0",
+        "Redis URL for the leader lease and the staging set: `redis://`, `rediss://`, `unix://`, "
+        "or Redis Sentinel as `redis+sentinel://[[user]:password@]host1:26379,host2/SERVICE"
+        "[/DB][?sentinel_password=...&ssl=true]` (preferred) or Kombu's "
+        "`sentinel://host1:26379;sentinel://host2:26379?master_name=SERVICE`.",
     )
     db_schema: str = _field("celery_sched", "PostgreSQL schema holding every celery_sched table.")
     lease_ttl: float = _field(10.0, "Leader lease time-to-live in seconds; renewed every ttl/3.")
