@@ -47,9 +47,10 @@ def build_store(settings: Settings) -> JobStore:
 
 def build_redis(settings: Settings) -> redis.Redis:
     """A Redis client for the lease and staging (lazy: connects on first use)."""
-    import redis as redis_lib
+    from celery_sched.redisconn import build_client
 
-    return redis_lib.Redis.from_url(
+    # A Sentinel URL gives a client of the service's current primary.
+    return build_client(
         settings.redis_url,
         socket_timeout=max(1.0, settings.lease_ttl / 3),
         socket_connect_timeout=max(1.0, settings.lease_ttl / 3),

@@ -29,10 +29,8 @@ import dataclasses
 import difflib
 import functools
 import os
-import re
 import socket
 import types
-import urllib.parse
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -41,6 +39,8 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from celery_sched.errors import ConfigurationError, InvalidURL
+from celery_sched.redisconn import check_url as check_redis_url
+from celery_sched.urls import sanitize_url as sanitize_url  # re-exported: the callers' import
 
 PREFIX = "celery_sched_"
 
@@ -69,7 +69,11 @@ class Settings:
         "SQLAlchemy URL of the PostgreSQL job store (`postgresql+psycopg://...`).",
     )
     redis_url: str = _field(
-        "redis://127.0.0.1:6379/0", "Redis URL for the leader lease and the staging set."
+        "redis://127.0.0.1:6379/0",
+        "Redis URL for the leader lease and the staging set: `redis://`, `rediss://`, `unix://`, "
+        "or Redis Sentinel as `redis+sentinel://[[user]:password@]host1:26379,host2/SERVICE"
+        "[/DB][?sentinel_password=...&ssl=true]` (preferred) or Kombu's "
+        "`sentinel://host1:26379;sentinel://host2:26379?master_name=SERVICE`.",
     )
     db_schema: str = _field("celery_sched", "PostgreSQL schema holding every celery_sched table.")
     lease_ttl: float = _field(10.0, "Leader lease time-to-live in seconds; renewed every ttl/3.")
@@ -192,7 +196,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         self.sqlalchemy_url()  # validates
-        _check_redis_url(self.redis_url)
+        check_redis_url(self.redis_url)
         if not self.db_schema.isidentifier():
             raise ConfigurationError(
                 f"celery_sched_db_schema must be a plain identifier, got {self.db_schema!r}"
@@ -473,52 +477,3 @@ def _coerce(field: dataclasses.Field[Any], raw: Any) -> Any:
         raise ConfigurationError(
             f"celery_sched_{field.name} must be {kind.__name__}, got {raw!r}"
         ) from exc
-
-
-def _check_redis_url(url: str) -> None:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix") or (
-        parts.scheme != "unix" and not parts.hostname
-    ):
-        raise InvalidURL(f"celery_sched_redis_url is not a Redis URL: {sanitize_url(url)}")
-    try:
-        parts.port  # noqa: B018  (raises on a malformed port)
-    except ValueError as exc:
-        raise InvalidURL(f"celery_sched_redis_url has a bad port: {sanitize_url(url)}") from exc
-
-
-#: A ``key=value`` parameter of a URL query or a libpq conninfo string.
-_PARAMETER = re.compile(r"(?P<key>[^\s?&;=#]+)=(?P<value>[^\s&;#]*)")
-
-#: Parameter names (case-insensitive substrings) whose values are secrets:
-#: libpq's ``password`` and ``sslpassword``, redis-py's ``password``, and the
-#: like of other drivers.
-_SECRET_NAMES = ("password", "passwd", "pwd", "passphrase", "secret", "token")
-
-
-def _mask_parameter(match: re.Match[str]) -> str:
-    key = urllib.parse.unquote_plus(match["key"]).lower()
-    if any(name in key for name in _SECRET_NAMES):
-        return f"{match['key']}=***"
-    return match.group()
-
-
-def sanitize_url(url: str) -> str:
-    """``url`` with every password replaced by ``***``; safe to log.
-
-    Masks the password of the user part and the value of every
-    password-like parameter (``?password=``, ``sslpassword=``, ...), in the
-    query and wherever else ``key=value`` appears.
-    """
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "<unparsable url>"
-    if password is not None:
-        netloc = parts.netloc.rsplit("@", 1)[-1]
-        user = parts.username or ""
-        url = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-    if "=" not in url:
-        return url
-    return _PARAMETER.sub(_mask_parameter, url)

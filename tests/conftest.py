@@ -33,6 +33,7 @@ import redis
 from celery_sched.settings import Settings
 from tests.e2e import harness
 from tests.e2e.harness import Cluster
+from tests.redis_topologies import SentinelSet, sentinel_set
 
 PG_URL = os.environ.get(
     "CELERY_SCHED_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -163,6 +164,26 @@ def settings(pg_url: str, redis_url: str, pg_schema: str) -> Iterator[Settings]:
     # only litter.
     with contextlib.suppress(redis.RedisError), redis.Redis.from_url(redis_url) as client:
         harness.delete_keys(client, pg_schema)
+
+
+# -- Redis Sentinel (tests/redis_topologies.py) ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shared_sentinel_set(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSet]:
+    """A primary, a replica and three sentinels shared by the tests that only
+    use them (each with a key prefix of its own); none may fault them."""
+    with sentinel_set(tmp_path_factory.mktemp("sentinel")) as topology:
+        yield topology
+
+
+@pytest.fixture
+def own_sentinel_set(tmp_path: Path) -> Iterator[SentinelSet]:
+    """A Sentinel set of this test's own, for a test that kills its primary."""
+    directory = tmp_path / "sentinel"
+    directory.mkdir()
+    with sentinel_set(directory) as topology:
+        yield topology
 
 
 # -- real beat and worker processes (tests/e2e, tests/fault) --------------------------

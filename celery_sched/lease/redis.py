@@ -15,6 +15,16 @@ default redis-py retries a failed command ten times with backoff), and retries
 a lost connection once, quickly, itself. Everything else fails fast as
 :class:`~celery_sched.errors.LeaseUnavailable`; the elector then steps down
 and tries again on its next tick.
+
+Behind Redis Sentinel (:mod:`celery_sched.redisconn`) the key lives on the
+current primary. Replication is asynchronous, so a failover can lose the key
+(or its last renewal): another beat may then win the lease while the old
+leader still trusts its own until its next renewal fails (at most ``ttl/3``
+later; the renewal finds the key gone or holding another token). The lease
+alone cannot prevent that overlap; the PostgreSQL epoch does: the newcomer's
+acquisition bumps the shard's epoch, and every claim compares epochs, so the
+old leader claims nothing more (:class:`~celery_sched.errors.StaleEpoch`) and
+steps down. What it had already claimed is published once, by it.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from redis.retry import Retry
 
 from celery_sched.errors import CelerySchedError, LeaseError, LeaseUnavailable
 from celery_sched.interfaces import LeaseBackend
+from celery_sched.redisconn import clone_client, describe
 from celery_sched.retry import call_with_retry
 
 logger = logging.getLogger(__name__)
@@ -48,20 +59,6 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.ReadOnlyError,
-)
-
-
-#: Connection kwargs a redis-py pool fills in for itself, or that would turn
-#: its retries back on.
-_POOL_OWNED = frozenset(
-    {
-        "maint_notifications_pool_handler",
-        "oss_cluster_maint_notifications_handler",
-        "himport_registry",
-        "retry",
-        "retry_on_timeout",
-        "retry_on_error",
-    }
 )
 
 
@@ -87,13 +84,6 @@ def ttl_to_ms(ttl: float) -> int:
     return max(1, round(ttl * 1000))
 
 
-def _describe(kwargs: dict[str, Any]) -> str:
-    # Built from host/port/db only, so no password can reach a log line.
-    if kwargs.get("path"):
-        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
-    return f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
-
-
 def translate(exc: BaseException) -> CelerySchedError:
     """A Redis error as the lease's own error."""
     if isinstance(exc, _UNAVAILABLE):
@@ -102,25 +92,15 @@ def translate(exc: BaseException) -> CelerySchedError:
 
 
 def _lease_client(client: redis.Redis, op_timeout: float | None) -> redis.Redis:
-    """A client sharing ``client``'s settings but not its retry policy."""
-    pool = client.connection_pool
-    # The pool adds bookkeeping of its own to these kwargs (handlers bound to
-    # that pool, saved original timeouts); the new pool must make its own.
-    kwargs: dict[str, Any] = {
-        name: value
-        for name, value in pool.connection_kwargs.items()
-        if name not in _POOL_OWNED and not name.startswith("orig_")
-    }
-    kwargs["retry"] = Retry(NoBackoff(), 0)
+    """A client sharing ``client``'s settings but not its retry policy (for a
+    Sentinel client: the same sentinels and service, on a pool of its own)."""
+    overrides: dict[str, Any] = {"retry": Retry(NoBackoff(), 0)}
     if op_timeout is not None:
-        kwargs["socket_timeout"] = op_timeout
-        kwargs["socket_connect_timeout"] = op_timeout
+        overrides["socket_timeout"] = op_timeout
+        overrides["socket_connect_timeout"] = op_timeout
     # The elector thread is the only steady user; a few connections cover the
     # loop's occasional holder()/release() calls.
-    lease_pool = redis.ConnectionPool(
-        connection_class=pool.connection_class, max_connections=8, **kwargs
-    )
-    return redis.Redis(connection_pool=lease_pool)
+    return clone_client(client, max_connections=8, **overrides)
 
 
 class RedisLeaseBackend(LeaseBackend):
@@ -139,7 +119,7 @@ class RedisLeaseBackend(LeaseBackend):
             raise ValueError("the Redis key prefix must not be empty")
         self._prefix = prefix
         self._client = _lease_client(client, op_timeout)
-        self._where = _describe(dict(client.connection_pool.connection_kwargs))
+        self._where = describe(client)
         self._renew: Script = self._client.register_script(load_script("renew"))
         self._release: Script = self._client.register_script(load_script("release"))
 

@@ -21,6 +21,7 @@ import redis.exceptions
 
 from celery_sched.errors import CelerySchedError, StagingUnavailable
 from celery_sched.interfaces import Staging
+from celery_sched.redisconn import build_client, describe
 from celery_sched.retry import call_with_retry
 from celery_sched.settings import sanitize_url
 from celery_sched.timeutil import ensure_utc, from_epoch_seconds, to_epoch_seconds
@@ -54,15 +55,7 @@ def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 
 def _describe(client: redis.Redis) -> str:
     """A loggable URL for ``client`` (never with its password)."""
-    kwargs: dict[str, Any] = client.connection_pool.connection_kwargs
-    if kwargs.get("path"):
-        url = f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
-    else:
-        url = (
-            f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-            f"/{kwargs.get('db', 0)}"
-        )
-    return sanitize_url(url)
+    return sanitize_url(describe(client))
 
 
 class RedisStaging(Staging):
@@ -241,7 +234,7 @@ def probe(url: str, *, timeout: float) -> None:
 
     For the readiness probe: no retries, and nothing shared with the leader.
     """
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = build_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
         client.ping()
     except redis.exceptions.RedisError as exc:

@@ -23,6 +23,7 @@ import redis
 from celery.schedules import crontab
 
 from celery_sched.errors import InvalidImport
+from celery_sched.redisconn import build_client
 from celery_sched.settings import sanitize_url
 from celery_sched.transfer.schedule_entries import Read, ScheduleEntry, Skipped
 
@@ -37,8 +38,8 @@ def read_entries(redis_url: str, *, key_prefix: str = DEFAULT_PREFIX, app: Any) 
     read (the URL's password masked).
     """
     try:
-        client = redis.Redis.from_url(redis_url, decode_responses=True)
-    except ValueError as exc:
+        client = build_client(redis_url, name="--redis-url", decode_responses=True)
+    except ValueError as exc:  # redis-py's, or InvalidURL for a Sentinel URL
         raise InvalidImport(f"invalid --redis-url {sanitize_url(redis_url)}: {exc}") from None
     try:
         with client:

@@ -1,4 +1,5 @@
-"""The LeaseBackend contract, run against the in-memory fake and real Redis.
+"""The LeaseBackend contract, run against the in-memory fake, real Redis and
+the primary of a real Redis Sentinel set.
 
 Time is expressed in fractions of the lease ttl: the memory backend moves a
 fake clock by exactly that much, the Redis backend sleeps through a short
@@ -13,11 +14,11 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-import redis
 
 from celery_sched.interfaces import LeaseBackend
 from celery_sched.lease.memory import MemoryLeaseBackend
 from celery_sched.lease.redis import RedisLeaseBackend
+from celery_sched.redisconn import build_client
 
 
 class FakeClock:
@@ -42,15 +43,19 @@ class LeaseEnv:
         self.advance(fraction * self.ttl)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "sentinel"])
 def env(request: pytest.FixtureRequest) -> Iterator[LeaseEnv]:
     if request.param == "memory":
         clock = FakeClock()
         yield LeaseEnv(backend=MemoryLeaseBackend(clock), ttl=10.0, advance=clock.advance)
         return
-    url: str = request.getfixturevalue("redis_url")
+    if request.param == "sentinel":
+        # The primary of a real Sentinel set, found through its sentinels.
+        url: str = request.getfixturevalue("shared_sentinel_set").url
+    else:
+        url = request.getfixturevalue("redis_url")
     prefix = "t_lease_" + uuid.uuid4().hex[:12]
-    client = redis.Redis.from_url(url, socket_timeout=2)
+    client = build_client(url, socket_timeout=2)
     backend = RedisLeaseBackend(client, prefix=prefix)
     try:
         # Long enough that a loaded 2-core machine does not expire a lease

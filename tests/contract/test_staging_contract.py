@@ -1,4 +1,5 @@
-"""The Staging contract: the in-memory fake and real Redis behave the same."""
+"""The Staging contract: the in-memory fake, real Redis and the primary of a
+real Redis Sentinel set behave the same."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-import redis
 
 from celery_sched.interfaces import Staging
+from celery_sched.redisconn import build_client
 from celery_sched.staging import MemoryStaging, RedisStaging
 
 T0 = dt.datetime(2030, 5, 17, 12, 0, 0, 123456, tzinfo=dt.UTC)
@@ -23,13 +24,17 @@ def ids(n: int) -> list[uuid.UUID]:
     return [uuid.uuid4() for _ in range(n)]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "sentinel"])
 def staging(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Staging]:
     if request.param == "memory":
         yield MemoryStaging()
         return
-    url: str = request.getfixturevalue("redis_url")
-    client = redis.Redis.from_url(url)
+    if request.param == "sentinel":
+        # The primary of a real Sentinel set, found through its sentinels.
+        url: str = request.getfixturevalue("shared_sentinel_set").url
+    else:
+        url = request.getfixturevalue("redis_url")
+    client = build_client(url)
     try:
         yield RedisStaging(client, prefix=unique_name)
     finally:

@@ -1,0 +1,195 @@
+"""Redis topologies of a test's own, on free loopback ports in a temp dir.
+
+:class:`SentinelSet` runs one primary, one replica (``replicaof``) and three
+sentinels (quorum 2, ``down-after-milliseconds`` 1000, ``failover-timeout``
+3000), all real ``redis-server`` processes. :func:`sentinel_set` starts one
+and stops every process afterwards. Tests fail, never skip, when
+``redis-server`` is missing: a green run must mean Sentinel was exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.e2e.harness import Proc, free_port, spawn, wait_for
+
+SERVICE = "celery_sched_test"
+QUORUM = 2
+DOWN_AFTER_MS = 1000
+FAILOVER_TIMEOUT_MS = 3000
+
+
+def redis_server() -> str:
+    """The ``redis-server`` binary; fails the test when there is none."""
+    found = shutil.which("redis-server")
+    if found is None:
+        ci = " (CI is set)" if os.environ.get("CI") else ""
+        pytest.fail(f"redis-server is not installed{ci}; the Sentinel tests need it (see README)")
+    return found
+
+
+def _client(port: int, timeout: float = 1.0) -> redis.Redis:
+    return redis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+
+
+def _answers(port: int) -> bool:
+    try:
+        with _client(port) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+class SentinelSet:
+    """A primary, a replica and three sentinels watching them as :data:`SERVICE`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.server = redis_server()
+        self.primary_port, self.replica_port = free_port(), free_port()
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.procs: dict[str, Proc] = {}
+
+    # -- URLs ---------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The preferred form: ``redis+sentinel://s1,s2,s3/<service>/0``."""
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    @property
+    def kombu_url(self) -> str:
+        """Celery/Kombu's form: ``sentinel://s1;sentinel://s2;...?master_name=<service>``."""
+        urls = ";".join(f"sentinel://127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"{urls}?master_name={SERVICE}"
+
+    # -- processes ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._data_node("primary", self.primary_port)
+        self._data_node(
+            "replica", self.replica_port, "--replicaof", "127.0.0.1", str(self.primary_port)
+        )
+        wait_for(self._replica_in_sync, timeout=20, interval=0.05, what="the replica to sync")
+        for index, port in enumerate(self.sentinel_ports):
+            self._sentinel(index, port)
+        wait_for(self._sentinels_ready, timeout=30, interval=0.1, what="the sentinels to agree")
+
+    def _data_node(self, name: str, port: int, *extra: str) -> None:
+        node_dir = self.dir / name
+        node_dir.mkdir(exist_ok=True)
+        args = [
+            self.server,
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(node_dir),
+            *extra,
+        ]  # fmt: skip
+        self.procs[name] = spawn(name, args, log_dir=self.dir, env=dict(os.environ))
+        wait_for(lambda: _answers(port), timeout=20, interval=0.05, what=f"{name} to answer PING")
+
+    def _sentinel(self, index: int, port: int) -> None:
+        # Sentinel rewrites its configuration file, so each gets its own.
+        conf = self.dir / f"sentinel-{index}.conf"
+        conf.write_text(
+            f"port {port}\n"
+            "bind 127.0.0.1\n"
+            f"dir {self.dir}\n"
+            f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary_port} {QUORUM}\n"
+            f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+            f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
+            f"sentinel parallel-syncs {SERVICE} 1\n"
+        )
+        name = f"sentinel-{index}"
+        self.procs[name] = spawn(
+            name, [self.server, str(conf), "--sentinel"], log_dir=self.dir, env=dict(os.environ)
+        )
+        wait_for(lambda: _answers(port), timeout=20, interval=0.05, what=f"{name} to answer PING")
+
+    def _replica_in_sync(self) -> bool:
+        try:
+            with _client(self.replica_port) as client:
+                info = client.info("replication")
+        except redis.RedisError:
+            return False
+        return info.get("master_link_status") == "up"
+
+    def _sentinels_ready(self) -> bool:
+        """Every sentinel sees the other two and the replica."""
+        try:
+            for port in self.sentinel_ports:
+                with _client(port) as client:
+                    state = client.sentinel_master(SERVICE)
+                    replicas = client.sentinel_slaves(SERVICE)
+                if state["num-other-sentinels"] < 2 or not any(
+                    not (r["is_sdown"] or r["is_odown"]) for r in replicas
+                ):
+                    return False
+        except redis.RedisError:
+            return False
+        return True
+
+    # -- faults and questions ------------------------------------------------
+
+    def primary_address(self) -> tuple[str, int] | None:
+        """Where the sentinels (a majority that answers) say the primary is."""
+        votes: dict[tuple[str, int], int] = {}
+        for port in self.sentinel_ports:
+            try:
+                with _client(port) as client:
+                    reply = client.sentinel_get_master_addr_by_name(SERVICE)
+            except redis.RedisError:
+                continue
+            if not reply:
+                continue
+            host, master_port = reply
+            address = (host.decode() if isinstance(host, bytes) else str(host), int(master_port))
+            votes[address] = votes.get(address, 0) + 1
+        winners = [address for address, count in votes.items() if count >= QUORUM]
+        return winners[0] if winners else None
+
+    def kill_primary(self) -> None:
+        """kill -9 the current primary process."""
+        self.procs["primary"].kill_group()
+
+    def client(self, port: int) -> redis.Redis:
+        return _client(port, timeout=5)
+
+    def stop(self) -> None:
+        # Sentinels first, so that none reconfigures what is being stopped.
+        for name in sorted(self.procs, key=lambda n: not n.startswith("sentinel")):
+            proc = self.procs[name]
+            with contextlib.suppress(Exception):
+                proc.stop(5)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"===== {name} (rc {proc.popen.poll()})\n{proc.tail(3000)}"
+            for name, proc in self.procs.items()
+        )
+
+
+@contextlib.contextmanager
+def sentinel_set(directory: Path) -> Iterator[SentinelSet]:
+    """A started :class:`SentinelSet` in ``directory``; every process is
+    stopped afterwards, and the logs are printed (pytest shows them only
+    for a failed test)."""
+    topology = SentinelSet(directory)
+    try:
+        topology.start()
+        yield topology
+    finally:
+        topology.stop()
+        print(topology.logs())
