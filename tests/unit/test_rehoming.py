@@ -55,6 +55,19 @@ def placed(store: MemoryJobStore, keys: list[str], shards: int) -> bool:
     return all(store.get(key).shard == shard_of_key(key, shards) for key in keys)  # type: ignore[union-attr]
 
 
+def spy_on_rehome(store: MemoryJobStore) -> list[bool]:
+    """Record ``stranded_only`` of every ``store.rehome`` call from now on."""
+    calls: list[bool] = []
+    original = store.rehome
+
+    def spy(**kwargs: Any) -> Any:
+        calls.append(kwargs["stranded_only"])
+        return original(**kwargs)
+
+    store.rehome = spy  # type: ignore[method-assign]
+    return calls
+
+
 def test_shard_0_moves_stranded_rows_then_makes_one_full_pass_and_records_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -74,14 +87,7 @@ def test_shard_0_moves_stranded_rows_then_makes_one_full_pass_and_records_it(
     staged = staging.size(0) + staging.size(1)
     assert staged == moved
     # Recorded: the next passes read no page (only the stranded probe).
-    calls: list[bool] = []
-    original = store.rehome
-
-    def spy(**kwargs: Any) -> Any:
-        calls.append(kwargs["stranded_only"])
-        return original(**kwargs)
-
-    store.rehome = spy  # type: ignore[method-assign]
+    calls = spy_on_rehome(store)
     assert rehoming.run() is False
     assert calls == [True]
 
@@ -228,14 +234,7 @@ def test_one_shard_records_its_placement_without_walking_every_row() -> None:
     store.add_job(new_job("stranded", store.now() + SECOND, shard=2))
     dispatched_in(store, "flying", 3)
     assert store.placed_for() is None  # as after the upgrade to 0009
-    calls: list[bool] = []
-    original = store.rehome
-
-    def spy(**kwargs: Any) -> Any:
-        calls.append(kwargs["stranded_only"])
-        return original(**kwargs)
-
-    store.rehome = spy  # type: ignore[method-assign]
+    calls = spy_on_rehome(store)
     rehoming, _ = duty(store, staging, shards=1, batch=5)
     while rehoming.run():
         pass
