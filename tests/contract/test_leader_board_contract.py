@@ -13,6 +13,7 @@ import redis
 from celery_sched.interfaces import LeaderBoard, LeaseBackend
 from celery_sched.lease.elector import lease_token
 from celery_sched.models import LeaderReport
+from tests.e2e.harness import delete_keys
 
 PASS_AT = dt.datetime(2031, 5, 1, 10, 0, 0, 250000, tzinfo=dt.UTC)
 
@@ -34,9 +35,7 @@ def board(request: pytest.FixtureRequest) -> Iterator[tuple[LeaseBackend, Leader
     try:
         yield RedisLeaseBackend(client, prefix=prefix), RedisLeaderBoard(client, prefix=prefix)
     finally:
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
+        delete_keys(client, prefix)
         client.close()
 
 

@@ -19,6 +19,7 @@ from celery_sched.interfaces import LeaseBackend
 from celery_sched.lease.memory import MemoryLeaseBackend
 from celery_sched.lease.redis import RedisLeaseBackend
 from celery_sched.redisconn import build_client
+from tests.e2e.harness import delete_keys
 
 
 class FakeClock:
@@ -62,9 +63,7 @@ def env(request: pytest.FixtureRequest) -> Iterator[LeaseEnv]:
         # early between two commands, short enough to keep the suite fast.
         yield LeaseEnv(backend=backend, ttl=0.4, advance=time.sleep)
     finally:
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
+        delete_keys(client, prefix)
         backend.close()
         client.close()
 

@@ -12,6 +12,7 @@ import pytest
 from celery_sched.interfaces import Staging
 from celery_sched.redisconn import build_client
 from celery_sched.staging import MemoryStaging, RedisStaging
+from tests.e2e.harness import delete_keys
 
 T0 = dt.datetime(2030, 5, 17, 12, 0, 0, 123456, tzinfo=dt.UTC)
 
@@ -38,9 +39,7 @@ def staging(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Stagin
     try:
         yield RedisStaging(client, prefix=unique_name)
     finally:
-        stale = list(client.scan_iter(match=f"{unique_name}:*"))
-        if stale:
-            client.delete(*stale)
+        delete_keys(client, unique_name)
         client.close()
 
 

@@ -16,6 +16,7 @@ from redis.retry import Retry
 import celery_sched.staging.redis as staging_redis
 from celery_sched.errors import StagingUnavailable
 from celery_sched.staging import RedisStaging
+from tests.e2e.harness import delete_keys
 
 pytestmark = pytest.mark.integration
 
@@ -28,9 +29,7 @@ def client(redis_url: str, unique_name: str) -> Iterator[redis.Redis]:
     try:
         yield conn
     finally:
-        stale = list(conn.scan_iter(match=f"{unique_name}:*"))
-        if stale:
-            conn.delete(*stale)
+        delete_keys(conn, unique_name)
         conn.close()
 
 
@@ -44,7 +43,7 @@ def test_layout_is_one_zset_per_shard_scored_in_epoch_seconds(
 ) -> None:
     job = uuid.uuid4()
     staging.add(7, [(job, NOW)])
-    key = f"{unique_name}:staging:7"
+    key = "{" + unique_name + ":7}:staging"
     assert staging.key(7) == key
     assert client.type(key) == b"zset"
     assert client.zrange(key, 0, -1, withscores=True) == [(job.hex.encode(), NOW.timestamp())]
@@ -79,7 +78,7 @@ def test_works_with_decoded_responses_and_resp3(
         assert staging.next_due(0) == NOW + dt.timedelta(seconds=1.5)
         assert staging.size(0) == 1
     finally:
-        conn.delete(f"{unique_name}:staging:0")
+        conn.delete(staging.key(0))
         conn.close()
 
 
@@ -120,11 +119,9 @@ def test_concurrent_pops_are_disjoint_and_complete(redis_url: str, unique_name: 
         assert first | second == jobs
         # Both threads got work, so the pops really did race.
         assert first and second
-        assert setup.zcard(f"{unique_name}:staging:0") == 0
+        assert setup.zcard(RedisStaging(setup, prefix=unique_name).key(0)) == 0
     finally:
-        stale = list(setup.scan_iter(match=f"{unique_name}:*"))
-        if stale:
-            setup.delete(*stale)
+        delete_keys(setup, unique_name)
         setup.close()
 
 
