@@ -30,7 +30,8 @@ from tests.e2e.harness import delete_keys
 
 pytestmark = pytest.mark.integration
 
-#: The pre-change renew.lua and release.lua, verbatim but for comments.
+#: The pre-change celery_sched/lease/lua/renew.lua and celery_sched/lease/lua/release.lua
+#: (at ff82a11), verbatim but for comments.
 OLD_RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('PEXPIRE', KEYS[1], ARGV[2])
