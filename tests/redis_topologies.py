@@ -297,6 +297,10 @@ class ClusterSet:
             return False
         return True
 
+    def client(self, port: int) -> redis.Redis:
+        """A plain client of the one node at ``port`` (no redirections)."""
+        return _client(port, timeout=5)
+
     def port_of_slot(self, slot: int) -> int:
         """The port of the master serving ``slot`` (from CLUSTER SLOTS)."""
         with _client(self.ports[0]) as client:

@@ -23,11 +23,9 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import redis
-
 from celery_sched.interfaces import LeaderBoard
 from celery_sched.lease.elector import token_holder
-from celery_sched.lease.redis import translate
+from celery_sched.lease.redis import DRIVER_ERRORS, translate
 from celery_sched.models import LeaderReport, LeaderView
 from celery_sched.rediskeys import check_prefix, legacy_lease_key, shard_keys
 
@@ -123,7 +121,7 @@ class RedisLeaderBoard(LeaderBoard):
     def _call(fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except redis.RedisError as exc:
+        except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
 
 

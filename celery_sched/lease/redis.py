@@ -69,11 +69,20 @@ _ATTEMPTS = 2
 _RETRY_DELAY = 0.05
 
 #: Errors that mean "Redis cannot be reached or cannot write right now".
-#: READONLY comes from a replica promoted away from us after a failover.
+#: READONLY comes from a replica promoted away from us after a failover;
+#: a Cluster client raises its own error when no node can be reached.
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.ReadOnlyError,
+    redis.exceptions.RedisClusterUnreachableError,
+)
+
+#: Every error the driver raises: redis-py's Cluster client raises some
+#: (no reachable node, no node for a slot) that are not ``RedisError``.
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (
+    redis.RedisError,
+    redis.exceptions.RedisClusterException,
 )
 
 
@@ -232,7 +241,7 @@ class RedisLeaseBackend(LeaseBackend):
                 backoff=_RETRY_DELAY,
                 max_delay=_RETRY_DELAY,
             )
-        except redis.RedisError as exc:
+        except DRIVER_ERRORS as exc:
             # Timeouts and server errors are not retried: a slow Redis would
             # only eat more of the renewal period.
             raise translate(exc) from exc

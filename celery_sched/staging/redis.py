@@ -59,6 +59,12 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
 )
+#: Every error the driver raises: redis-py's Cluster client raises some
+#: (no reachable node, no node for a slot) that are not ``RedisError``.
+_DRIVER_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
+)
 
 
 def load_lua(name: str) -> str:
@@ -235,7 +241,7 @@ class RedisStaging(Staging):
                 max_delay=max(self._backoff, 1.0),
                 **extra,
             )
-        except redis.exceptions.RedisError as exc:
+        except _DRIVER_ERRORS as exc:
             # Not transient, yet still a driver error: nothing above this
             # module may see one.
             raise translate(exc) from exc
@@ -259,13 +265,15 @@ def probe(url: str, *, timeout: float) -> None:
     :class:`StagingUnavailable` if it does not answer within ``timeout`` seconds.
 
     For the readiness probe: no retries, and nothing shared with the leader.
+    A Cluster client connects while it is built, so building it is checked too.
     """
-    client = build_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
-        client.ping()
-    except redis.exceptions.RedisError as exc:
+        client = build_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except _DRIVER_ERRORS as exc:
         raise StagingUnavailable(
             f"Redis at {sanitize_url(url)} is unavailable: {type(exc).__name__}: {exc}"
         ) from exc
-    finally:
-        client.close()
