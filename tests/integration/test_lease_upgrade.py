@@ -241,3 +241,15 @@ def test_a_new_beat_whose_legacy_key_was_taken_does_not_renew(
         assert client.exists(lease_key(prefix, SHARD)) == 0
     finally:
         new.close()
+
+
+def test_the_leader_board_shows_an_old_leader_during_the_upgrade(
+    client: redis.Redis, prefix: str
+) -> None:
+    from celery_sched.lease.board import RedisLeaderBoard
+
+    old = OldLease(client, prefix)
+    assert old.acquire(SHARD, "oldhost:41:abc", 5.0)
+    (view,) = RedisLeaderBoard(client, prefix=prefix).read([SHARD])
+    assert view.holder == "oldhost:41"
+    assert view.ttl is not None and 0 < view.ttl <= 5.0

@@ -15,6 +15,7 @@ from redis.retry import Retry
 
 import celery_sched.staging.redis as staging_redis
 from celery_sched.errors import StagingUnavailable
+from celery_sched.rediskeys import legacy_staging_key
 from celery_sched.staging import RedisStaging
 from tests.e2e.harness import delete_keys
 
@@ -226,3 +227,15 @@ def test_hundred_thousand_ids_add_and_pop_in_batches(staging: RedisStaging) -> N
     # Pipelined, this takes ~1-2 s on a 2-core box; one round trip per id
     # would take well over 5 s.
     assert elapsed < 15, elapsed
+
+
+def test_drop_legacy_removes_the_set_of_beats_before_hash_tags_only(
+    staging: RedisStaging, client: redis.Redis, unique_name: str
+) -> None:
+    legacy = legacy_staging_key(unique_name, 0)
+    client.zadd(legacy, {uuid.uuid4().hex: NOW.timestamp()})
+    staging.add(0, [(uuid.uuid4(), NOW)])
+    assert staging.drop_legacy(0) is True
+    assert client.exists(legacy) == 0
+    assert staging.size(0) == 1  # the new set is untouched
+    assert staging.drop_legacy(0) is False
