@@ -24,8 +24,6 @@ from celery_sched.errors import ConfigurationError
 from celery_sched.settings import Settings
 
 if TYPE_CHECKING:
-    import redis
-
     from celery_sched.interfaces import (
         Dispatcher,
         JobStore,
@@ -36,6 +34,7 @@ if TYPE_CHECKING:
     )
     from celery_sched.leader import Engine
     from celery_sched.models import ScheduleSpec
+    from celery_sched.redisconn import RedisClient
 
 
 def build_store(settings: Settings) -> JobStore:
@@ -45,8 +44,9 @@ def build_store(settings: Settings) -> JobStore:
     return PostgresJobStore(settings)
 
 
-def build_redis(settings: Settings) -> redis.Redis:
-    """A Redis client for the lease and staging (lazy: connects on first use)."""
+def build_redis(settings: Settings) -> RedisClient:
+    """A Redis client for the lease and staging (lazy: connects on first use,
+    except a Cluster client, which reads the slot map at once)."""
     from celery_sched.redisconn import build_client
 
     # A Sentinel URL gives a client of the service's current primary.
@@ -58,7 +58,7 @@ def build_redis(settings: Settings) -> redis.Redis:
     )
 
 
-def build_lease(settings: Settings, client: redis.Redis | None = None) -> LeaseBackend:
+def build_lease(settings: Settings, client: RedisClient | None = None) -> LeaseBackend:
     from celery_sched.lease.redis import RedisLeaseBackend
 
     # One lease operation plus its single quick retry must fit well inside
@@ -67,16 +67,17 @@ def build_lease(settings: Settings, client: redis.Redis | None = None) -> LeaseB
         client or build_redis(settings),
         prefix=settings.key_prefix,
         op_timeout=settings.lease_ttl / 6,
+        legacy_keys=settings.hold_legacy_lease_keys,
     )
 
 
-def build_staging(settings: Settings, client: redis.Redis | None = None) -> Staging:
+def build_staging(settings: Settings, client: RedisClient | None = None) -> Staging:
     from celery_sched.staging.redis import RedisStaging
 
     return RedisStaging(client or build_redis(settings), prefix=settings.key_prefix)
 
 
-def build_board(settings: Settings, client: redis.Redis | None = None) -> LeaderBoard:
+def build_board(settings: Settings, client: RedisClient | None = None) -> LeaderBoard:
     """The leader board on Redis (who leads each shard; ``sched leader``)."""
     from celery_sched.lease.board import RedisLeaderBoard
 

@@ -1,5 +1,5 @@
-"""Redis URLs and the clients built from them: a plain Redis, or a primary
-found through Redis Sentinel.
+"""Redis URLs and the clients built from them: a plain Redis, a primary
+found through Redis Sentinel, or a Redis Cluster.
 
 Plain URLs (``redis://``, ``rediss://``, ``unix://``) go to redis-py's
 ``Redis.from_url`` unchanged. Two Sentinel forms are read:
@@ -15,6 +15,18 @@ Plain URLs (``redis://``, ``rediss://``, ``unix://``) go to redis-py's
 A host without a port is at 26379. The user part is the data nodes'
 credentials (the primary's ``AUTH``); ``sentinel_password`` is the
 sentinels' own, if they require one; ``ssl`` turns on TLS to both.
+
+A Cluster URL names seed nodes (any few of the cluster's masters):
+
+* ``redis+cluster://[[user]:password@]host1:7000,host2:7001,...[/][?ssl=true]``
+
+(a host without a port is at 6379; a Cluster has no databases, so the path
+is empty, ``/`` or ``/0``). It gives redis-py's ``RedisCluster(startup_nodes=...)``,
+which learns the slot map from the seeds and routes each command by its
+key's slot; a script or a transaction must then touch keys of one slot only,
+which the shard's hash tag (:mod:`celery_sched.rediskeys`) guarantees.
+Unlike the other clients, a ``RedisCluster`` connects while it is built (to
+read the slot map), so building one raises when no seed answers.
 
 A Sentinel URL gives a client of ``Sentinel(...).master_for(service)``: each
 new connection asks the sentinels where the primary is, and a connection to
@@ -40,30 +52,47 @@ from celery_sched.errors import InvalidURL
 from celery_sched.urls import sanitize_url
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     import redis
+    from redis.cluster import RedisCluster
+
+    #: What :func:`build_client` gives: a plain or Sentinel client, or a
+    #: Cluster client (not a subclass of ``redis.Redis`` in redis-py).
+    RedisClient: TypeAlias = redis.Redis | RedisCluster
 
 __all__ = [
+    "DEFAULT_CLUSTER_PORT",
     "DEFAULT_SENTINEL_PORT",
+    "ClusterTarget",
+    "RedisClient",
     "SentinelTarget",
     "build_client",
     "check_url",
     "clone_client",
+    "cluster_target",
     "describe",
+    "is_cluster_client",
+    "is_cluster_url",
     "is_sentinel_url",
     "sentinel_target",
 ]
 
 DEFAULT_SENTINEL_PORT = 26379
+DEFAULT_CLUSTER_PORT = 6379
 
 #: The schemes of a plain Redis URL (what redis-py's ``from_url`` reads).
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 #: The preferred Sentinel scheme, and Kombu's.
 SENTINEL_SCHEME = "redis+sentinel"
 KOMBU_SENTINEL_SCHEME = "sentinel"
+#: The Cluster scheme.
+CLUSTER_SCHEME = "redis+cluster"
 
 #: Query parameters a Sentinel URL may carry (anything else is refused: a
 #: misspelt ``sentinel_pasword`` must not be silently ignored).
 _SENTINEL_PARAMETERS = frozenset({"sentinel_password", "ssl", "master_name"})
+_CLUSTER_PARAMETERS = frozenset({"ssl"})
 
 #: Builds the error of one URL from what is wrong with it.
 _Invalid = Callable[[str], InvalidURL]
@@ -112,6 +141,25 @@ class SentinelTarget:
         return f"{SENTINEL_SCHEME}://{hosts}/{self.service_name}/{self.db}"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterTarget:
+    """What a Cluster URL names: seed nodes and how to talk to the cluster."""
+
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    ssl: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("a Cluster target needs at least one seed node")
+
+    def describe(self) -> str:
+        """The target as a ``redis+cluster://`` URL without credentials."""
+        hosts = ",".join(f"{_host_text(host)}:{port}" for host, port in self.nodes)
+        return f"{CLUSTER_SCHEME}://{hosts}/"
+
+
 # -- parsing ----------------------------------------------------------------------------
 
 
@@ -124,6 +172,11 @@ def is_sentinel_url(url: str) -> bool:
     return _scheme(url) in (SENTINEL_SCHEME, KOMBU_SENTINEL_SCHEME)
 
 
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` is a Redis Cluster URL (valid or not)."""
+    return _scheme(url) == CLUSTER_SCHEME
+
+
 def check_url(url: str, *, name: str = "celery_sched_redis_url") -> None:
     """Raise :class:`~celery_sched.errors.InvalidURL` (naming setting or
     option ``name``, the password masked) unless ``url`` is a Redis URL of
@@ -131,14 +184,17 @@ def check_url(url: str, *, name: str = "celery_sched_redis_url") -> None:
     if is_sentinel_url(url):
         sentinel_target(url, name=name)
         return
+    if is_cluster_url(url):
+        cluster_target(url, name=name)
+        return
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError as exc:
         raise InvalidURL(f"{name} is not a Redis URL: {sanitize_url(url)}") from exc
     if parts.scheme not in PLAIN_SCHEMES or (parts.scheme != "unix" and not parts.hostname):
         raise InvalidURL(
-            f"{name} is not a Redis URL (redis://, rediss://, unix://, "
-            f"{SENTINEL_SCHEME}:// or {KOMBU_SENTINEL_SCHEME}://): {sanitize_url(url)}"
+            f"{name} is not a Redis URL (redis://, rediss://, unix://, {SENTINEL_SCHEME}://, "
+            f"{KOMBU_SENTINEL_SCHEME}:// or {CLUSTER_SCHEME}://): {sanitize_url(url)}"
         )
     try:
         parts.port  # noqa: B018  (raises on a malformed port)
@@ -163,6 +219,35 @@ def sentinel_target(url: str, *, name: str = "celery_sched_redis_url") -> Sentin
     if scheme == KOMBU_SENTINEL_SCHEME:
         return _parse_kombu(url, invalid)
     raise invalid(f"is not a Sentinel URL ({SENTINEL_SCHEME}:// or {KOMBU_SENTINEL_SCHEME}://)")
+
+
+def cluster_target(url: str, *, name: str = "celery_sched_redis_url") -> ClusterTarget:
+    """The :class:`ClusterTarget` of a ``redis+cluster://`` URL.
+
+    Raises :class:`~celery_sched.errors.InvalidURL` naming what is wrong (no
+    seed node, an empty host, a bad port, a database other than 0, an
+    unknown parameter), with the URL's password masked.
+    """
+
+    def invalid(problem: str) -> InvalidURL:
+        return InvalidURL(f"{name} {problem}: {sanitize_url(url)}")
+
+    if not is_cluster_url(url):
+        raise invalid(f"is not a Cluster URL ({CLUSTER_SCHEME}://)")
+    parts = _split(url, invalid)
+    hosts = parts.netloc.rpartition("@")[2]
+    if not hosts:
+        raise invalid(f"names no seed node ({CLUSTER_SCHEME}://host1:7000,host2:7001/)")
+    if parts.path not in ("", "/", "/0"):
+        raise invalid("has a path; a Redis Cluster has no databases (leave it empty or /0)")
+    query = _query(parts.query, invalid, known=_CLUSTER_PARAMETERS)
+    username, password = _credentials(parts, invalid)
+    return ClusterTarget(
+        nodes=_hosts(hosts.split(","), invalid, role="seed node", default=DEFAULT_CLUSTER_PORT),
+        username=username,
+        password=password,
+        ssl=_flag(query["ssl"], invalid) if "ssl" in query else False,
+    )
 
 
 def _parse_preferred(url: str, invalid: _Invalid) -> SentinelTarget:
@@ -242,13 +327,15 @@ def _credentials(
     return user, None if password is None else urllib.parse.unquote(password)
 
 
-def _query(query: str, invalid: _Invalid) -> dict[str, str]:
+def _query(
+    query: str, invalid: _Invalid, *, known: frozenset[str] = _SENTINEL_PARAMETERS
+) -> dict[str, str]:
     pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
     values: dict[str, str] = {}
     for key, value in pairs:
-        if key not in _SENTINEL_PARAMETERS:
-            known = ", ".join(sorted(_SENTINEL_PARAMETERS))
-            raise invalid(f"has an unknown parameter {key!r} (known: {known})")
+        if key not in known:
+            names = ", ".join(sorted(known))
+            raise invalid(f"has an unknown parameter {key!r} (known: {names})")
         if key in values:
             raise invalid(f"gives {key} twice")
         values[key] = value
@@ -256,21 +343,27 @@ def _query(query: str, invalid: _Invalid) -> dict[str, str]:
 
 
 def _sentinels(hosts: list[str], invalid: _Invalid) -> tuple[tuple[str, int], ...]:
+    return _hosts(hosts, invalid, role="sentinel", default=DEFAULT_SENTINEL_PORT)
+
+
+def _hosts(
+    hosts: list[str], invalid: _Invalid, *, role: str, default: int
+) -> tuple[tuple[str, int], ...]:
     found: list[tuple[str, int]] = []
     for text in hosts:
         if not text:
-            raise invalid("names an empty sentinel host")
+            raise invalid(f"names an empty {role} host")
         # urlsplit reads one host at a time, brackets of IPv6 literals included.
         probe = urllib.parse.urlsplit(f"//{text}")
         try:
             host, port = probe.hostname, probe.port
         except ValueError:
-            raise invalid(f"has a bad port in sentinel {text!r}") from None
+            raise invalid(f"has a bad port in {role} {text!r}") from None
         if not host:
-            raise invalid(f"has a sentinel with no host ({text!r})")
-        found.append((host, DEFAULT_SENTINEL_PORT if port is None else port))
+            raise invalid(f"has a {role} with no host ({text!r})")
+        found.append((host, default if port is None else port))
     if not found:
-        raise invalid("names no sentinel")
+        raise invalid(f"names no {role}")
     return tuple(found)
 
 
@@ -321,19 +414,23 @@ def _host_text(host: str) -> str:
 
 def build_client(
     url: str, *, name: str = "celery_sched_redis_url", **connection_kwargs: Any
-) -> redis.Redis:
-    """A client of the Redis ``url`` names (lazy: connects on first use).
+) -> RedisClient:
+    """A client of the Redis ``url`` names.
 
     ``connection_kwargs`` (timeouts, ``health_check_interval``,
     ``decode_responses``, ...) apply to the data connections; a Sentinel
     client's queries to the sentinels use the same socket timeouts. A plain
-    URL goes to ``Redis.from_url`` unchanged; a malformed Sentinel URL
-    raises :class:`~celery_sched.errors.InvalidURL` naming setting or option
-    ``name``, and nothing is built. Closing a Sentinel client closes its
-    connections to the sentinels too.
+    URL goes to ``Redis.from_url`` unchanged; a malformed Sentinel or Cluster
+    URL raises :class:`~celery_sched.errors.InvalidURL` naming setting or
+    option ``name``, and nothing is built. Plain and Sentinel clients are
+    lazy (they connect on first use); a Cluster client reads the slot map
+    from its seeds at once. Closing a Sentinel client closes its connections
+    to the sentinels too.
     """
     import redis as redis_lib
 
+    if is_cluster_url(url):
+        return _cluster_client(cluster_target(url, name=name), connection_kwargs)
     if not is_sentinel_url(url):
         return redis_lib.Redis.from_url(url, **connection_kwargs)
     target = sentinel_target(url, name=name)
@@ -351,18 +448,32 @@ def build_client(
     )
 
 
-def clone_client(client: redis.Redis, *, max_connections: int, **overrides: Any) -> redis.Redis:
+def is_cluster_client(client: RedisClient) -> bool:
+    """Whether ``client`` is a Redis Cluster client (keys of one script or
+    transaction must then share a slot)."""
+    from redis.cluster import RedisCluster
+
+    return isinstance(client, RedisCluster)
+
+
+def clone_client(client: RedisClient, *, max_connections: int, **overrides: Any) -> RedisClient:
     """A client with a pool of its own, talking to what ``client`` talks to
     with ``client``'s connection settings, except ``overrides``.
 
     The new pool starts without ``client``'s retry policy (pass ``retry``).
     A Sentinel client's clone asks the same sentinels for the same service,
     over connections of its own whose socket timeouts follow ``overrides``,
-    so a slow sentinel cannot hold it longer than its data connections.
+    so a slow sentinel cannot hold it longer than its data connections. A
+    Cluster client's clone starts from the same seed nodes, with
+    ``max_connections`` per node and ``retry`` as its cluster-level policy
+    (redis-py retries node errors there, not per connection).
     """
     import redis as redis_lib
+    from redis.cluster import RedisCluster
     from redis.sentinel import SentinelConnectionPool
 
+    if isinstance(client, RedisCluster):
+        return _clone_cluster(client, max_connections=max_connections, overrides=overrides)
     pool = client.connection_pool
     # The pool adds bookkeeping of its own to these kwargs (handlers bound to
     # that pool, saved original timeouts); the new pool must make its own.
@@ -392,10 +503,13 @@ def clone_client(client: redis.Redis, *, max_connections: int, **overrides: Any)
     )
 
 
-def describe(client: redis.Redis) -> str:
+def describe(client: RedisClient) -> str:
     """A loggable URL of what ``client`` talks to (never with a password)."""
+    from redis.cluster import RedisCluster
     from redis.sentinel import SentinelConnectionPool
 
+    if isinstance(client, RedisCluster):
+        return ClusterTarget(nodes=_seeds(client)).describe()
     pool = client.connection_pool
     kwargs: Mapping[str, Any] = pool.connection_kwargs
     if isinstance(pool, SentinelConnectionPool):
@@ -410,6 +524,47 @@ def describe(client: redis.Redis) -> str:
         f"redis://{_host_text(str(kwargs.get('host', 'localhost')))}:{kwargs.get('port', 6379)}"
         f"/{kwargs.get('db', 0)}"
     )
+
+
+def _cluster_client(target: ClusterTarget, connection_kwargs: Mapping[str, Any]) -> RedisCluster:
+    from redis.cluster import ClusterNode, RedisCluster
+
+    kwargs: dict[str, Any] = {"username": target.username, "password": target.password}
+    if target.ssl:
+        kwargs["ssl"] = True
+    kwargs.update(connection_kwargs)
+    # health_check_interval is a per-connection option redis-py's cluster
+    # passes on; retry is the cluster's own and must not reach the nodes.
+    retry = kwargs.pop("retry", None)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],  # type: ignore[no-untyped-call]
+        retry=retry,
+        **kwargs,
+    )
+
+
+#: Connection kwargs a ``RedisCluster`` fills in for its node clients (its
+#: own bound hooks); a clone makes its own.
+_CLUSTER_OWNED = frozenset({"redis_connect_func", "host", "port"})
+
+
+def _clone_cluster(
+    client: RedisCluster, *, max_connections: int, overrides: Mapping[str, Any]
+) -> RedisCluster:
+    kwargs: dict[str, Any] = {
+        name: value
+        for name, value in client.get_connection_kwargs().items()  # type: ignore[no-untyped-call]
+        if name not in _POOL_OWNED and name not in _CLUSTER_OWNED and not name.startswith("orig_")
+    }
+    kwargs.update(overrides)
+    kwargs["max_connections"] = max_connections
+    target = ClusterTarget(nodes=_seeds(client))
+    return _cluster_client(target, kwargs)
+
+
+def _seeds(client: RedisCluster) -> tuple[tuple[str, int], ...]:
+    """The seed nodes ``client`` was built with (what its URL named)."""
+    return tuple((str(node.host), int(node.port)) for node in client.startup_nodes)
 
 
 def _address(sentinel: redis.Redis) -> tuple[str, int]:

@@ -40,6 +40,8 @@ from sqlalchemy.exc import ArgumentError
 
 from celery_sched.errors import ConfigurationError, InvalidURL
 from celery_sched.redisconn import check_url as check_redis_url
+from celery_sched.redisconn import is_cluster_url
+from celery_sched.rediskeys import check_prefix
 from celery_sched.urls import sanitize_url as sanitize_url  # re-exported: the callers' import
 
 PREFIX = "celery_sched_"
@@ -73,7 +75,9 @@ class Settings:
         "Redis URL for the leader lease and the staging set: `redis://`, `rediss://`, `unix://`, "
         "or Redis Sentinel as `redis+sentinel://[[user]:password@]host1:26379,host2/SERVICE"
         "[/DB][?sentinel_password=...&ssl=true]` (preferred) or Kombu's "
-        "`sentinel://host1:26379;sentinel://host2:26379?master_name=SERVICE`.",
+        "`sentinel://host1:26379;sentinel://host2:26379?master_name=SERVICE`, "
+        "or Redis Cluster as `redis+cluster://[[user]:password@]host1:7000,host2:7001/` "
+        "(seed nodes).",
     )
     db_schema: str = _field("celery_sched", "PostgreSQL schema holding every celery_sched table.")
     lease_ttl: float = _field(10.0, "Leader lease time-to-live in seconds; renewed every ttl/3.")
@@ -92,7 +96,18 @@ class Settings:
     )
     shards: int = _field(1, "Number of shards jobs are spread over (by key hash).")
     shard: int = _field(0, "The shard this beat process competes to lead.")
-    key_prefix: str = _field("celery_sched", "Prefix of every Redis key celery_sched writes.")
+    key_prefix: str = _field(
+        "celery_sched",
+        "Prefix of every Redis key celery_sched writes (no `{` or `}`: a shard's keys carry "
+        "the hash tag `{PREFIX:SHARD}`).",
+    )
+    legacy_lease_keys: bool = _field(
+        True,
+        "Also hold each shard's lease under its key from before hash tags "
+        "(`PREFIX:lease:SHARD`), so beats of earlier versions never lead a shard beside "
+        "this one during a rolling upgrade. Turn off once every beat is upgraded. Always "
+        "off on a Redis Cluster (setting it true there is refused).",
+    )
     staging_window: float = _field(
         60.0, "Seconds ahead of now that the leader stages due jobs into Redis."
     )
@@ -197,6 +212,10 @@ class Settings:
     def __post_init__(self) -> None:
         self.sqlalchemy_url()  # validates
         check_redis_url(self.redis_url)
+        try:
+            check_prefix(self.key_prefix)
+        except ValueError as exc:
+            raise ConfigurationError(f"celery_sched_key_prefix: {exc}") from None
         if not self.db_schema.isidentifier():
             raise ConfigurationError(
                 f"celery_sched_db_schema must be a plain identifier, got {self.db_schema!r}"
@@ -308,7 +327,23 @@ class Settings:
             values[field.name] = _coerce(field, raw)
         settings = cls(**values)
         object.__setattr__(settings, "_origins", types.MappingProxyType(origins))
+        settings._refuse_legacy_keys_on_cluster()
         return settings
+
+    def _refuse_legacy_keys_on_cluster(self) -> None:
+        # Only a value somebody gave is refused: the default (true) is simply
+        # not applied to a Cluster (:attr:`hold_legacy_lease_keys`).
+        if (
+            self.legacy_lease_keys
+            and is_cluster_url(self.redis_url)
+            and self.origin("legacy_lease_keys") != DEFAULT
+        ):
+            raise ConfigurationError(
+                "celery_sched_legacy_lease_keys cannot be true with a Redis Cluster "
+                f"({self.origin('legacy_lease_keys')}): the legacy lease key and the "
+                "hash-tagged one are in different slots, and no beat before hash tags "
+                "ran on a Cluster; leave it unset or false"
+            )
 
     def origin(self, name: str) -> str:
         """Where setting ``name`` came from: ``app config <key>``,
@@ -367,6 +402,12 @@ class Settings:
     @functools.cached_property
     def safe_redis_url(self) -> str:
         return sanitize_url(self.redis_url)
+
+    @property
+    def hold_legacy_lease_keys(self) -> bool:
+        """Whether the lease holds the legacy key too: the setting, except on
+        a Redis Cluster, where it is always off."""
+        return self.legacy_lease_keys and not is_cluster_url(self.redis_url)
 
 
 def setting_fields() -> tuple[dataclasses.Field[Any], ...]:

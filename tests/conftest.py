@@ -33,7 +33,7 @@ import redis
 from celery_sched.settings import Settings
 from tests.e2e import harness
 from tests.e2e.harness import Cluster
-from tests.redis_topologies import SentinelSet, sentinel_set
+from tests.redis_topologies import ClusterSet, SentinelSet, cluster_set, sentinel_set
 
 PG_URL = os.environ.get(
     "CELERY_SCHED_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -183,6 +183,17 @@ def own_sentinel_set(tmp_path: Path) -> Iterator[SentinelSet]:
     directory = tmp_path / "sentinel"
     directory.mkdir()
     with sentinel_set(directory) as topology:
+        yield topology
+
+
+# -- Redis Cluster (tests/redis_topologies.py) -----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shared_cluster_set(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSet]:
+    """Three masters of a Redis Cluster shared by the tests that only use
+    them (each with a key prefix of its own); none may fault them."""
+    with cluster_set(tmp_path_factory.mktemp("cluster")) as topology:
         yield topology
 
 

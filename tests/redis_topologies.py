@@ -3,8 +3,11 @@
 :class:`SentinelSet` runs one primary, one replica (``replicaof``) and three
 sentinels (quorum 2, ``down-after-milliseconds`` 1000, ``failover-timeout``
 3000), all real ``redis-server`` processes. :func:`sentinel_set` starts one
-and stops every process afterwards. Tests fail, never skip, when
-``redis-server`` is missing: a green run must mean Sentinel was exercised.
+and stops every process afterwards. :class:`ClusterSet` runs a Redis Cluster
+of three masters and no replicas (``redis-cli --cluster create``);
+:func:`cluster_set` starts one and stops it. Tests fail, never skip, when
+``redis-server`` (or ``redis-cli``) is missing: a green run must mean
+Sentinel and Cluster were exercised.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -24,6 +30,8 @@ SERVICE = "celery_sched_test"
 QUORUM = 2
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 3000
+#: Masters of a test Cluster (the fewest ``redis-cli --cluster create`` takes).
+CLUSTER_MASTERS = 3
 
 
 def redis_server() -> str:
@@ -32,6 +40,15 @@ def redis_server() -> str:
     if found is None:
         ci = " (CI is set)" if os.environ.get("CI") else ""
         pytest.fail(f"redis-server is not installed{ci}; the Sentinel tests need it (see README)")
+    return found
+
+
+def redis_cli() -> str:
+    """The ``redis-cli`` binary (it creates the Cluster); fails the test when there is none."""
+    found = shutil.which("redis-cli")
+    if found is None:
+        ci = " (CI is set)" if os.environ.get("CI") else ""
+        pytest.fail(f"redis-cli is not installed{ci}; the Cluster tests need it (see README)")
     return found
 
 
@@ -193,3 +210,157 @@ def sentinel_set(directory: Path) -> Iterator[SentinelSet]:
     finally:
         topology.stop()
         print(topology.logs())
+
+
+#: A Cluster node also listens on its port + 10000 (the cluster bus).
+_BUS_OFFSET = 10000
+
+
+def _cluster_port() -> int:
+    """A free loopback port whose bus port (+10000, at most 65535) is free too."""
+    for _ in range(1000):
+        port = free_port()
+        if port + _BUS_OFFSET > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + _BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free loopback port pair for a Cluster node")
+
+
+class ClusterSet:
+    """A Redis Cluster of :data:`CLUSTER_MASTERS` masters, no replicas."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.server = redis_server()
+        self.cli = redis_cli()
+        self.ports: list[int] = []
+        while len(self.ports) < CLUSTER_MASTERS:
+            port = _cluster_port()
+            if port not in self.ports:
+                self.ports.append(port)
+        self.procs: dict[str, Proc] = {}
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,.../`` (every master a seed)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports) + "/"
+
+    def start(self) -> None:
+        for port in self.ports:
+            self._node(port)
+        subprocess.run(
+            [
+                self.cli, "--cluster", "create",
+                *(f"127.0.0.1:{port}" for port in self.ports),
+                "--cluster-replicas", "0", "--cluster-yes",
+            ],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        wait_for(self._ready, timeout=30, interval=0.1, what="cluster_state:ok on every node")
+
+    def _node(self, port: int) -> None:
+        name = f"node-{port}"
+        node_dir = self.dir / name
+        node_dir.mkdir(exist_ok=True)
+        args = [
+            self.server,
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", str(node_dir / "nodes.conf"),
+            "--cluster-node-timeout", "2000",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(node_dir),
+        ]  # fmt: skip
+        self.procs[name] = spawn(name, args, log_dir=self.dir, env=dict(os.environ))
+        wait_for(lambda: _answers(port), timeout=20, interval=0.05, what=f"{name} to answer PING")
+
+    def _ready(self) -> bool:
+        """Every node reports ``cluster_state:ok`` and knows every master."""
+        try:
+            for port in self.ports:
+                with _client(port) as client:
+                    info = client.execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+                if fields.get("cluster_state") != "ok":
+                    return False
+                if int(fields.get("cluster_known_nodes", 0)) != len(self.ports):
+                    return False
+        except redis.RedisError:
+            return False
+        return True
+
+    def client(self, port: int) -> redis.Redis:
+        """A plain client of the one node at ``port`` (no redirections)."""
+        return _client(port, timeout=5)
+
+    def port_of_slot(self, slot: int) -> int:
+        """The port of the master serving ``slot`` (from CLUSTER SLOTS)."""
+        with _client(self.ports[0]) as client:
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        for entry in ranges:
+            start, end, master = entry[0], entry[1], entry[2]
+            if int(start) <= slot <= int(end):
+                return int(master[1])
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def spread_prefix(self, base: str, shards: int = CLUSTER_MASTERS) -> str:
+        """A key prefix starting with ``base`` whose shards ``0..shards-1``
+        live on as many different masters as there are (asserted by the
+        caller with ``CLUSTER KEYSLOT``), so a test spans the Cluster."""
+        from redis.crc import key_slot
+
+        from celery_sched.rediskeys import shard_keys
+
+        want = min(shards, len(self.ports))
+        for attempt in range(1000):
+            prefix = f"{base}{attempt}"
+            masters = {
+                self.port_of_slot(key_slot(shard_keys(prefix, shard).lease.encode()))
+                for shard in range(shards)
+            }
+            if len(masters) == want:
+                return prefix
+        raise AssertionError(f"no prefix under {base!r} spreads {shards} shards")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(Exception):
+                proc.stop(5)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"===== {name} (rc {proc.popen.poll()})\n{proc.tail(3000)}"
+            for name, proc in self.procs.items()
+        )
+
+
+@contextlib.contextmanager
+def cluster_set(directory: Path) -> Iterator[ClusterSet]:
+    """A started :class:`ClusterSet` in ``directory``; every node is stopped
+    afterwards, and the logs are printed (shown only for a failed test)."""
+    topology = ClusterSet(directory)
+    try:
+        topology.start()
+        yield topology
+    finally:
+        topology.stop()
+        print(topology.logs())
+
+
+def masters_of(client: Any, keys: list[str]) -> set[int]:
+    """The ports of the masters a Cluster ``client`` sends ``keys`` to, by
+    each key's ``CLUSTER KEYSLOT`` as the server computes it."""
+    ports = set()
+    for key in keys:
+        slot = int(client.cluster_keyslot(key))
+        assert slot == client.keyslot(key)  # redis-py routes by the server's slot
+        ports.add(int(client.nodes_manager.get_node_from_slot(slot).port))
+    return ports

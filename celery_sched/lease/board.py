@@ -1,13 +1,19 @@
 """The leader board on Redis: who leads each shard, for operators.
 
-Per shard, beside the lease key ``{prefix}:lease:{n}`` (whose value is the
+Per shard, beside the lease key ``{<prefix>:<n>}:lease`` (whose value is the
 holder's token, ``host:pid:<random>``, and whose PTTL is the lease's time
-left), the leader writes ``{prefix}:leader:{n}``: a small JSON report of its
+left), the leader writes ``{<prefix>:<n>}:leader`` (:mod:`celery_sched.rediskeys`;
+before hash tags it was ``<prefix>:leader:<n>``, which is simply no longer
+written): a small JSON report of its
 host, pid, epoch and the end of its last pass by the store's clock. One
 ``SET ... EX`` per post, and the leader posts at most about once a second
 (:mod:`celery_sched.leader.presence`); a report outlives its leader by a day,
 so a dead leader's last pass stays visible. :meth:`RedisLeaderBoard.read`
-reads every shard's three values in one pipelined round trip.
+reads every shard's values in one pipelined round trip; it reads the legacy
+lease key ``<prefix>:lease:<n>`` too, so an old beat leading a shard during a
+rolling upgrade is shown. On a Redis Cluster the pipeline is redis-py's
+non-transactional ``ClusterPipeline``, which sends each node its commands:
+single-key reads, so keys of different slots are fine there.
 """
 
 from __future__ import annotations
@@ -15,14 +21,16 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
-
-import redis
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_sched.interfaces import LeaderBoard
 from celery_sched.lease.elector import token_holder
-from celery_sched.lease.redis import lease_key, translate
+from celery_sched.lease.redis import DRIVER_ERRORS, translate
 from celery_sched.models import LeaderReport, LeaderView
+from celery_sched.rediskeys import check_prefix, legacy_lease_key, shard_keys
+
+if TYPE_CHECKING:
+    from celery_sched.redisconn import RedisClient
 
 T = TypeVar("T")
 
@@ -32,7 +40,7 @@ REPORT_TTL = 86400
 
 def report_key(prefix: str, shard: int) -> str:
     """The Redis key of shard ``shard``'s last leader report."""
-    return f"{prefix}:leader:{shard}"
+    return shard_keys(prefix, shard).leader
 
 
 def encode_report(report: LeaderReport) -> str:
@@ -68,9 +76,8 @@ def decode_report(shard: int, raw: str | bytes | None) -> LeaderReport | None:
 class RedisLeaderBoard(LeaderBoard):
     """:class:`~celery_sched.interfaces.LeaderBoard` on Redis keys under ``prefix``."""
 
-    def __init__(self, client: redis.Redis, *, prefix: str) -> None:
-        if not prefix:
-            raise ValueError("the Redis key prefix must not be empty")
+    def __init__(self, client: RedisClient, *, prefix: str) -> None:
+        check_prefix(prefix)
         self._client = client
         self._prefix = prefix
 
@@ -82,15 +89,22 @@ class RedisLeaderBoard(LeaderBoard):
         def fetch() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for shard in shards:
-                pipe.get(lease_key(self._prefix, shard))
-                pipe.pttl(lease_key(self._prefix, shard))
-                pipe.get(report_key(self._prefix, shard))
+                keys = shard_keys(self._prefix, shard)
+                legacy = legacy_lease_key(self._prefix, shard)
+                pipe.get(keys.lease)
+                pipe.pttl(keys.lease)
+                pipe.get(legacy)
+                pipe.pttl(legacy)
+                pipe.get(keys.leader)
             return list(pipe.execute())
 
         replies = self._call(fetch)
         views = []
         for index, shard in enumerate(shards):
-            token, pttl, raw = replies[3 * index : 3 * index + 3]
+            token, pttl, old_token, old_pttl, raw = replies[5 * index : 5 * index + 5]
+            if token is None:
+                # No new beat leads; an old one (before hash tags) may.
+                token, pttl = old_token, old_pttl
             holder = None if token is None else token_holder(_text(token))
             views.append(
                 LeaderView(
@@ -107,7 +121,7 @@ class RedisLeaderBoard(LeaderBoard):
     def _call(fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except redis.RedisError as exc:
+        except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
 
 

@@ -1,10 +1,24 @@
 """Staging on Redis: one sorted set of near-future job ids per shard.
 
-Key ``<prefix>:staging:<shard>``; member = the job id as 32 hex digits; score =
-``due_at`` in epoch seconds. The set is only an accelerator in front of
-PostgreSQL, so failures are retried briefly and then raised as
+Key ``{<prefix>:<shard>}:staging`` (:mod:`celery_sched.rediskeys`); member =
+the job id as 32 hex digits; score = ``due_at`` in epoch seconds. The set is
+only an accelerator in front of PostgreSQL, so failures are retried briefly and then raised as
 :class:`~celery_sched.errors.StagingUnavailable`; the engine falls back to a
 Postgres sweep and nothing is lost.
+
+On a Redis Cluster each command and script here touches one key, so one
+slot; a pipeline touches one shard's key only.
+
+During a rolling upgrade from the key ``<prefix>:staging:<shard>`` (before
+hash tags), old clients and old leaders still add to the legacy set and a new
+leader pops only the new one. Nothing is lost, only delayed by at most the
+leader's ``sweep_interval``: the set is an accelerator, never the truth. A job
+an old client stages is a pending row in PostgreSQL first; the new leader's
+stager re-stages pending rows of its horizon from PostgreSQL into the new
+set, and its sweep claims every due pending row straight from PostgreSQL, so
+a job staged only in the legacy set is claimed by whichever comes first. The
+leftover legacy set holds only ids (no payload); :meth:`RedisStaging.drop_legacy`
+removes it once.
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import importlib.resources
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 import redis.exceptions
@@ -22,9 +36,13 @@ import redis.exceptions
 from celery_sched.errors import CelerySchedError, StagingUnavailable
 from celery_sched.interfaces import Staging
 from celery_sched.redisconn import build_client, describe
+from celery_sched.rediskeys import check_prefix, legacy_staging_key, shard_keys
 from celery_sched.retry import call_with_retry
 from celery_sched.settings import sanitize_url
 from celery_sched.timeutil import ensure_utc, from_epoch_seconds, to_epoch_seconds
+
+if TYPE_CHECKING:
+    from celery_sched.redisconn import RedisClient
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +59,12 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
 )
+#: Every error the driver raises: redis-py's Cluster client raises some
+#: (no reachable node, no node for a slot) that are not ``RedisError``.
+_DRIVER_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
+)
 
 
 def load_lua(name: str) -> str:
@@ -53,7 +77,7 @@ def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
         yield items[start : start + size]
 
 
-def _describe(client: redis.Redis) -> str:
+def _describe(client: RedisClient) -> str:
     """A loggable URL for ``client`` (never with its password)."""
     return sanitize_url(describe(client))
 
@@ -68,7 +92,7 @@ class RedisStaging(Staging):
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         prefix: str,
         attempts: int = 2,
@@ -77,6 +101,7 @@ class RedisStaging(Staging):
     ) -> None:
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
+        check_prefix(prefix)
         self._client = client
         self._prefix = prefix
         self._attempts = attempts
@@ -87,7 +112,14 @@ class RedisStaging(Staging):
 
     def key(self, shard: int) -> str:
         """The Redis key of ``shard``'s sorted set."""
-        return f"{self._prefix}:staging:{shard}"
+        return shard_keys(self._prefix, shard).staging
+
+    def drop_legacy(self, shard: int) -> bool:
+        """Delete ``shard``'s staging set of beats before hash tags, once the
+        fleet is upgraded; True if there was one. Its ids are pending rows in
+        PostgreSQL, which the stager and the sweep find without it."""
+        key = legacy_staging_key(self._prefix, shard)
+        return self._call(lambda: bool(self._client.delete(key)), f"drop of {key}")
 
     # -- Staging ------------------------------------------------------------
 
@@ -209,7 +241,7 @@ class RedisStaging(Staging):
                 max_delay=max(self._backoff, 1.0),
                 **extra,
             )
-        except redis.exceptions.RedisError as exc:
+        except _DRIVER_ERRORS as exc:
             # Not transient, yet still a driver error: nothing above this
             # module may see one.
             raise translate(exc) from exc
@@ -233,13 +265,15 @@ def probe(url: str, *, timeout: float) -> None:
     :class:`StagingUnavailable` if it does not answer within ``timeout`` seconds.
 
     For the readiness probe: no retries, and nothing shared with the leader.
+    A Cluster client connects while it is built, so building it is checked too.
     """
-    client = build_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
-        client.ping()
-    except redis.exceptions.RedisError as exc:
+        client = build_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except _DRIVER_ERRORS as exc:
         raise StagingUnavailable(
             f"Redis at {sanitize_url(url)} is unavailable: {type(exc).__name__}: {exc}"
         ) from exc
-    finally:
-        client.close()

@@ -1,4 +1,5 @@
-"""The LeaderBoard contract (``sched leader``), on the memory fake and real Redis."""
+"""The LeaderBoard contract (``sched leader``), on the memory fake, real Redis and
+a real Redis Cluster (shards on different masters)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import redis
 from celery_sched.interfaces import LeaderBoard, LeaseBackend
 from celery_sched.lease.elector import lease_token
 from celery_sched.models import LeaderReport
+from celery_sched.redisconn import build_client
+from celery_sched.rediskeys import shard_keys
+from tests.e2e.harness import delete_keys
+from tests.redis_topologies import ClusterSet, masters_of
 
 PASS_AT = dt.datetime(2031, 5, 1, 10, 0, 0, 250000, tzinfo=dt.UTC)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def board(request: pytest.FixtureRequest) -> Iterator[tuple[LeaseBackend, LeaderBoard]]:
     if request.param == "memory":
         from celery_sched.lease.memory import MemoryLeaderBoard, MemoryLeaseBackend
@@ -28,15 +33,19 @@ def board(request: pytest.FixtureRequest) -> Iterator[tuple[LeaseBackend, Leader
     from celery_sched.lease.board import RedisLeaderBoard
     from celery_sched.lease.redis import RedisLeaseBackend
 
-    url: str = request.getfixturevalue("redis_url")
     prefix = "t_board_" + uuid.uuid4().hex[:12]
-    client: Any = redis.Redis.from_url(url, socket_timeout=2)
+    client: Any
+    if request.param == "cluster":
+        cluster: ClusterSet = request.getfixturevalue("shared_cluster_set")
+        prefix = cluster.spread_prefix(prefix)
+        client = build_client(cluster.url, socket_timeout=2)
+        assert len(masters_of(client, [shard_keys(prefix, s).leader for s in range(3)])) == 3
+    else:
+        client = redis.Redis.from_url(request.getfixturevalue("redis_url"), socket_timeout=2)
     try:
         yield RedisLeaseBackend(client, prefix=prefix), RedisLeaderBoard(client, prefix=prefix)
     finally:
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
+        delete_keys(client, prefix)
         client.close()
 
 

@@ -19,6 +19,8 @@ from celery_sched.interfaces import LeaseBackend
 from celery_sched.lease.memory import MemoryLeaseBackend
 from celery_sched.lease.redis import RedisLeaseBackend
 from celery_sched.redisconn import build_client
+from tests.e2e.harness import delete_keys
+from tests.redis_topologies import ClusterSet, masters_of
 
 
 class FakeClock:
@@ -43,28 +45,32 @@ class LeaseEnv:
         self.advance(fraction * self.ttl)
 
 
-@pytest.fixture(params=["memory", "redis", "sentinel"])
+@pytest.fixture(params=["memory", "redis", "sentinel", "cluster"])
 def env(request: pytest.FixtureRequest) -> Iterator[LeaseEnv]:
     if request.param == "memory":
         clock = FakeClock()
         yield LeaseEnv(backend=MemoryLeaseBackend(clock), ttl=10.0, advance=clock.advance)
         return
+    prefix = "t_lease_" + uuid.uuid4().hex[:12]
     if request.param == "sentinel":
         # The primary of a real Sentinel set, found through its sentinels.
         url: str = request.getfixturevalue("shared_sentinel_set").url
+    elif request.param == "cluster":
+        # Three masters of a real Redis Cluster; shards 0-2 on all three.
+        cluster: ClusterSet = request.getfixturevalue("shared_cluster_set")
+        url, prefix = cluster.url, cluster.spread_prefix(prefix)
     else:
         url = request.getfixturevalue("redis_url")
-    prefix = "t_lease_" + uuid.uuid4().hex[:12]
     client = build_client(url, socket_timeout=2)
     backend = RedisLeaseBackend(client, prefix=prefix)
+    if request.param == "cluster":
+        assert len(masters_of(client, [backend.key(shard) for shard in range(3)])) == 3
     try:
         # Long enough that a loaded 2-core machine does not expire a lease
         # early between two commands, short enough to keep the suite fast.
         yield LeaseEnv(backend=backend, ttl=0.4, advance=time.sleep)
     finally:
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
+        delete_keys(client, prefix)
         backend.close()
         client.close()
 

@@ -12,6 +12,8 @@ import pytest
 from celery_sched.interfaces import Staging
 from celery_sched.redisconn import build_client
 from celery_sched.staging import MemoryStaging, RedisStaging
+from tests.e2e.harness import delete_keys
+from tests.redis_topologies import ClusterSet, masters_of
 
 T0 = dt.datetime(2030, 5, 17, 12, 0, 0, 123456, tzinfo=dt.UTC)
 
@@ -24,23 +26,29 @@ def ids(n: int) -> list[uuid.UUID]:
     return [uuid.uuid4() for _ in range(n)]
 
 
-@pytest.fixture(params=["memory", "redis", "sentinel"])
+@pytest.fixture(params=["memory", "redis", "sentinel", "cluster"])
 def staging(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Staging]:
     if request.param == "memory":
         yield MemoryStaging()
         return
+    prefix = unique_name
     if request.param == "sentinel":
         # The primary of a real Sentinel set, found through its sentinels.
         url: str = request.getfixturevalue("shared_sentinel_set").url
+    elif request.param == "cluster":
+        # Three masters of a real Redis Cluster; shards 0-2 on all three.
+        cluster: ClusterSet = request.getfixturevalue("shared_cluster_set")
+        url, prefix = cluster.url, cluster.spread_prefix(unique_name)
     else:
         url = request.getfixturevalue("redis_url")
     client = build_client(url)
+    staging = RedisStaging(client, prefix=prefix)
+    if request.param == "cluster":
+        assert len(masters_of(client, [staging.key(shard) for shard in range(3)])) == 3
     try:
-        yield RedisStaging(client, prefix=unique_name)
+        yield staging
     finally:
-        stale = list(client.scan_iter(match=f"{unique_name}:*"))
-        if stale:
-            client.delete(*stale)
+        delete_keys(client, prefix)
         client.close()
 
 

@@ -116,10 +116,16 @@ def drop_schema(database_url: str, schema: str) -> None:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def delete_keys(client: redis.Redis, prefix: str) -> int:
-    """Delete every key whose name starts with ``prefix`` (SCAN, never FLUSHALL:
-    other tests and runs share the server); returns how many there were."""
-    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+def delete_keys(client: Any, prefix: str) -> int:
+    """Delete every key whose name starts with ``prefix`` or ``{prefix`` (a
+    shard's hash-tagged keys; SCAN, never FLUSHALL: other tests and runs share
+    the server); returns how many there were. ``client`` may be a Cluster
+    client (its SCAN visits every master, its DEL splits by slot)."""
+    keys = [
+        key
+        for pattern in (prefix + "*", "{" + prefix + "*")
+        for key in client.scan_iter(match=pattern, count=1000)
+    ]
     for start in range(0, len(keys), 1000):
         client.delete(*keys[start : start + 1000])
     return len(keys)

@@ -16,7 +16,8 @@ import redis
 from celery_sched.errors import LeaseUnavailable
 from celery_sched.interfaces import LeaseBackend
 from celery_sched.lease.elector import LeaderElector
-from celery_sched.lease.redis import RedisLeaseBackend
+from celery_sched.lease.redis import RedisLeaseBackend, lease_key
+from tests.e2e.harness import delete_keys
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +31,7 @@ def prefix() -> str:
 def client(redis_url: str, prefix: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url, socket_timeout=2)
     yield client
-    keys = list(client.scan_iter(match=f"{prefix}:*"))
-    if keys:
-        client.delete(*keys)
+    delete_keys(client, prefix)
     client.close()
 
 
@@ -61,8 +60,10 @@ def test_lease_key_layout_and_expiry(
     backend: RedisLeaseBackend, client: redis.Redis, prefix: str
 ) -> None:
     assert backend.acquire(3, "beat-a:1", 5.0)
-    key = f"{prefix}:lease:3"
+    # The whole per-shard identity is the hash tag (celery_sched/rediskeys.py).
+    key = "{" + prefix + ":3}:lease"
     assert backend.key(3) == key
+    assert backend.keys(3) == [key]
     assert client.get(key) == b"beat-a:1"
     pttl = client.pttl(key)
     assert 4000 < pttl <= 5000
@@ -217,7 +218,7 @@ def test_one_leader_at_a_time_and_failover_after_a_freeze(client: redis.Redis, p
         while time.monotonic() < end:
             assert leaders(electors) == [first]
             time.sleep(0.005)
-        assert client.get(f"{prefix}:lease:0") == first_lease.token.encode()
+        assert client.get(lease_key(prefix, 0)) == first_lease.token.encode()
 
         # Freeze the leader's thread mid-term: no more renewals.
         index = electors.index(first)
@@ -249,10 +250,10 @@ def test_one_leader_at_a_time_and_failover_after_a_freeze(client: redis.Redis, p
         while time.monotonic() < end:
             assert leaders(electors) == [other]
             time.sleep(0.005)
-        assert client.get(f"{prefix}:lease:0") == second_lease.token.encode()
+        assert client.get(lease_key(prefix, 0)) == second_lease.token.encode()
     finally:
         for b in backends:
             b.thaw()
         for e in electors:
             e.stop()
-    assert client.exists(f"{prefix}:lease:0") == 0
+    assert client.exists(lease_key(prefix, 0)) == 0

@@ -21,6 +21,7 @@ from celery_sched.errors import StaleEpoch
 from celery_sched.interfaces import JobStore
 from celery_sched.lease.elector import LeaderElector
 from celery_sched.lease.redis import lease_key
+from celery_sched.rediskeys import legacy_lease_key
 from celery_sched.settings import Settings
 from tests.contract.conftest import new_job
 from tests.e2e.harness import wait_for
@@ -79,7 +80,9 @@ def test_a_failover_that_loses_the_lease_key_is_fenced_by_the_epoch(
             timeout=10,
             what="the replica to take the primary role",
         )
-        promoted.delete(key)  # the write the replica never received
+        # The writes the replica never received: the lease key, and the
+        # legacy one beats hold too by default (celery_sched_legacy_lease_keys).
+        promoted.delete(key, legacy_lease_key(sentinel_settings.key_prefix, 0))
 
     # Through the sentinels, the newcomer finds the promoted primary and a
     # free key, so it leads with a new epoch...

@@ -15,7 +15,9 @@ from redis.retry import Retry
 
 import celery_sched.staging.redis as staging_redis
 from celery_sched.errors import StagingUnavailable
+from celery_sched.rediskeys import legacy_staging_key
 from celery_sched.staging import RedisStaging
+from tests.e2e.harness import delete_keys
 
 pytestmark = pytest.mark.integration
 
@@ -28,9 +30,7 @@ def client(redis_url: str, unique_name: str) -> Iterator[redis.Redis]:
     try:
         yield conn
     finally:
-        stale = list(conn.scan_iter(match=f"{unique_name}:*"))
-        if stale:
-            conn.delete(*stale)
+        delete_keys(conn, unique_name)
         conn.close()
 
 
@@ -44,7 +44,7 @@ def test_layout_is_one_zset_per_shard_scored_in_epoch_seconds(
 ) -> None:
     job = uuid.uuid4()
     staging.add(7, [(job, NOW)])
-    key = f"{unique_name}:staging:7"
+    key = "{" + unique_name + ":7}:staging"
     assert staging.key(7) == key
     assert client.type(key) == b"zset"
     assert client.zrange(key, 0, -1, withscores=True) == [(job.hex.encode(), NOW.timestamp())]
@@ -79,7 +79,7 @@ def test_works_with_decoded_responses_and_resp3(
         assert staging.next_due(0) == NOW + dt.timedelta(seconds=1.5)
         assert staging.size(0) == 1
     finally:
-        conn.delete(f"{unique_name}:staging:0")
+        conn.delete(staging.key(0))
         conn.close()
 
 
@@ -120,11 +120,9 @@ def test_concurrent_pops_are_disjoint_and_complete(redis_url: str, unique_name: 
         assert first | second == jobs
         # Both threads got work, so the pops really did race.
         assert first and second
-        assert setup.zcard(f"{unique_name}:staging:0") == 0
+        assert setup.zcard(RedisStaging(setup, prefix=unique_name).key(0)) == 0
     finally:
-        stale = list(setup.scan_iter(match=f"{unique_name}:*"))
-        if stale:
-            setup.delete(*stale)
+        delete_keys(setup, unique_name)
         setup.close()
 
 
@@ -229,3 +227,15 @@ def test_hundred_thousand_ids_add_and_pop_in_batches(staging: RedisStaging) -> N
     # Pipelined, this takes ~1-2 s on a 2-core box; one round trip per id
     # would take well over 5 s.
     assert elapsed < 15, elapsed
+
+
+def test_drop_legacy_removes_the_set_of_beats_before_hash_tags_only(
+    staging: RedisStaging, client: redis.Redis, unique_name: str
+) -> None:
+    legacy = legacy_staging_key(unique_name, 0)
+    client.zadd(legacy, {uuid.uuid4().hex: NOW.timestamp()})
+    staging.add(0, [(uuid.uuid4(), NOW)])
+    assert staging.drop_legacy(0) is True
+    assert client.exists(legacy) == 0
+    assert staging.size(0) == 1  # the new set is untouched
+    assert staging.drop_legacy(0) is False
