@@ -19,7 +19,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -66,15 +66,55 @@ def _answers(port: int) -> bool:
         return False
 
 
-class SentinelSet:
-    """A primary, a replica and three sentinels watching them as :data:`SERVICE`."""
+class _Topology:
+    """Redis processes started by a test, each under a name; :meth:`stop`
+    ends them (in :meth:`stop_order`), :meth:`logs` shows what they said."""
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.server = redis_server()
+        self.procs: dict[str, Proc] = {}
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop_order(self) -> list[str]:
+        return list(self.procs)
+
+    def stop(self) -> None:
+        for name in self.stop_order():
+            with contextlib.suppress(Exception):
+                self.procs[name].stop(5)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"===== {name} (rc {proc.popen.poll()})\n{proc.tail(3000)}"
+            for name, proc in self.procs.items()
+        )
+
+
+_T = TypeVar("_T", bound=_Topology)
+
+
+@contextlib.contextmanager
+def _started(topology: _T) -> Iterator[_T]:
+    """``topology`` started; stopped afterwards, its logs printed (pytest
+    shows them only for a failed test)."""
+    try:
+        topology.start()
+        yield topology
+    finally:
+        topology.stop()
+        print(topology.logs())
+
+
+class SentinelSet(_Topology):
+    """A primary, a replica and three sentinels watching them as :data:`SERVICE`."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
         self.primary_port, self.replica_port = free_port(), free_port()
         self.sentinel_ports = [free_port() for _ in range(3)]
-        self.procs: dict[str, Proc] = {}
 
     # -- URLs ---------------------------------------------------------------
 
@@ -184,18 +224,9 @@ class SentinelSet:
     def client(self, port: int) -> redis.Redis:
         return _client(port, timeout=5)
 
-    def stop(self) -> None:
+    def stop_order(self) -> list[str]:
         # Sentinels first, so that none reconfigures what is being stopped.
-        for name in sorted(self.procs, key=lambda n: not n.startswith("sentinel")):
-            proc = self.procs[name]
-            with contextlib.suppress(Exception):
-                proc.stop(5)
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"===== {name} (rc {proc.popen.poll()})\n{proc.tail(3000)}"
-            for name, proc in self.procs.items()
-        )
+        return sorted(self.procs, key=lambda n: not n.startswith("sentinel"))
 
 
 @contextlib.contextmanager
@@ -203,13 +234,8 @@ def sentinel_set(directory: Path) -> Iterator[SentinelSet]:
     """A started :class:`SentinelSet` in ``directory``; every process is
     stopped afterwards, and the logs are printed (pytest shows them only
     for a failed test)."""
-    topology = SentinelSet(directory)
-    try:
-        topology.start()
+    with _started(SentinelSet(directory)) as topology:
         yield topology
-    finally:
-        topology.stop()
-        print(topology.logs())
 
 
 #: A Cluster node also listens on its port + 10000 (the cluster bus).
@@ -231,19 +257,17 @@ def _cluster_port() -> int:
     raise AssertionError("no free loopback port pair for a Cluster node")
 
 
-class ClusterSet:
+class ClusterSet(_Topology):
     """A Redis Cluster of :data:`CLUSTER_MASTERS` masters, no replicas."""
 
     def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.server = redis_server()
+        super().__init__(directory)
         self.cli = redis_cli()
         self.ports: list[int] = []
         while len(self.ports) < CLUSTER_MASTERS:
             port = _cluster_port()
             if port not in self.ports:
                 self.ports.append(port)
-        self.procs: dict[str, Proc] = {}
 
     @property
     def url(self) -> str:
@@ -330,29 +354,13 @@ class ClusterSet:
                 return prefix
         raise AssertionError(f"no prefix under {base!r} spreads {shards} shards")
 
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(Exception):
-                proc.stop(5)
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"===== {name} (rc {proc.popen.poll()})\n{proc.tail(3000)}"
-            for name, proc in self.procs.items()
-        )
-
 
 @contextlib.contextmanager
 def cluster_set(directory: Path) -> Iterator[ClusterSet]:
     """A started :class:`ClusterSet` in ``directory``; every node is stopped
     afterwards, and the logs are printed (shown only for a failed test)."""
-    topology = ClusterSet(directory)
-    try:
-        topology.start()
+    with _started(ClusterSet(directory)) as topology:
         yield topology
-    finally:
-        topology.stop()
-        print(topology.logs())
 
 
 def masters_of(client: Any, keys: list[str]) -> set[int]:

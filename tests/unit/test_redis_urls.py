@@ -76,6 +76,13 @@ def test_kombu_form() -> None:
     ],
 )
 def test_bad_sentinel_urls_name_the_problem_and_mask_the_password(url: str, problem: str) -> None:
+    assert_refused(url, problem)
+
+
+def assert_refused(url: str, problem: str) -> None:
+    """Settings, the client builder and the URL check each refuse ``url``
+    with an InvalidURL naming the setting and ``problem``, its password
+    (``hunter2``) masked."""
     for check in (
         lambda: Settings(redis_url=url),
         lambda: build_client(url),
