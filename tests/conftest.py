@@ -197,6 +197,16 @@ def shared_cluster_set(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clu
         yield topology
 
 
+@pytest.fixture
+def own_cluster_set(tmp_path: Path) -> Iterator[ClusterSet]:
+    """A Redis Cluster of this test's own, three masters with a replica
+    each, for a test that kills a master."""
+    directory = tmp_path / "cluster"
+    directory.mkdir()
+    with cluster_set(directory, replicas=1) as topology:
+        yield topology
+
+
 # -- real beat and worker processes (tests/e2e, tests/fault) --------------------------
 
 

@@ -4,8 +4,8 @@
 sentinels (quorum 2, ``down-after-milliseconds`` 1000, ``failover-timeout``
 3000), all real ``redis-server`` processes. :func:`sentinel_set` starts one
 and stops every process afterwards. :class:`ClusterSet` runs a Redis Cluster
-of three masters and no replicas (``redis-cli --cluster create``);
-:func:`cluster_set` starts one and stops it. Tests fail, never skip, when
+of three masters (``redis-cli --cluster create``), with no replica or one per
+master; :func:`cluster_set` starts one and stops it. Tests fail, never skip, when
 ``redis-server`` (or ``redis-cli``) is missing: a green run must mean
 Sentinel and Cluster were exercised.
 """
@@ -32,6 +32,9 @@ DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 3000
 #: Masters of a test Cluster (the fewest ``redis-cli --cluster create`` takes).
 CLUSTER_MASTERS = 3
+#: ``cluster-node-timeout`` of a test Cluster: a master silent this long is
+#: failing, and its replica (if any) takes over about a second later.
+NODE_TIMEOUT_MS = 2000
 
 
 def redis_server() -> str:
@@ -258,30 +261,39 @@ def _cluster_port() -> int:
 
 
 class ClusterSet(_Topology):
-    """A Redis Cluster of :data:`CLUSTER_MASTERS` masters, no replicas."""
+    """A Redis Cluster of :data:`CLUSTER_MASTERS` masters and ``replicas``
+    replicas of each (0 or 1); nodes time out after ``node_timeout_ms``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, *, replicas: int = 0, node_timeout_ms: int = NODE_TIMEOUT_MS
+    ) -> None:
         super().__init__(directory)
         self.cli = redis_cli()
-        self.ports: list[int] = []
-        while len(self.ports) < CLUSTER_MASTERS:
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        #: Every node's port; ``redis-cli --cluster create`` makes the first
+        #: :data:`CLUSTER_MASTERS` masters and the rest their replicas.
+        self.all_ports: list[int] = []
+        while len(self.all_ports) < CLUSTER_MASTERS * (1 + replicas):
             port = _cluster_port()
-            if port not in self.ports:
-                self.ports.append(port)
+            if port not in self.all_ports:
+                self.all_ports.append(port)
+        #: The masters' ports, as created (a failover changes who is master).
+        self.ports = self.all_ports[:CLUSTER_MASTERS]
 
     @property
     def url(self) -> str:
-        """``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,.../`` (every master a seed)."""
+        """``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,.../`` (every first master a seed)."""
         return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports) + "/"
 
     def start(self) -> None:
-        for port in self.ports:
+        for port in self.all_ports:
             self._node(port)
         subprocess.run(
             [
                 self.cli, "--cluster", "create",
-                *(f"127.0.0.1:{port}" for port in self.ports),
-                "--cluster-replicas", "0", "--cluster-yes",
+                *(f"127.0.0.1:{port}" for port in self.all_ports),
+                "--cluster-replicas", str(self.replicas), "--cluster-yes",
             ],
             check=True, capture_output=True, timeout=30,
         )  # fmt: skip
@@ -297,7 +309,7 @@ class ClusterSet(_Topology):
             "--bind", "127.0.0.1",
             "--cluster-enabled", "yes",
             "--cluster-config-file", str(node_dir / "nodes.conf"),
-            "--cluster-node-timeout", "2000",
+            "--cluster-node-timeout", str(self.node_timeout_ms),
             "--save", "",
             "--appendonly", "no",
             "--dir", str(node_dir),
@@ -306,17 +318,21 @@ class ClusterSet(_Topology):
         wait_for(lambda: _answers(port), timeout=20, interval=0.05, what=f"{name} to answer PING")
 
     def _ready(self) -> bool:
-        """Every node reports ``cluster_state:ok`` and knows every master."""
+        """Every node reports ``cluster_state:ok`` and knows every node, and
+        every replica is in sync with its master (so it can take over)."""
         try:
-            for port in self.ports:
+            for port in self.all_ports:
                 with _client(port) as client:
-                    info = client.execute_command("CLUSTER", "INFO")
-                text = info.decode() if isinstance(info, bytes) else str(info)
-                fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-                if fields.get("cluster_state") != "ok":
-                    return False
-                if int(fields.get("cluster_known_nodes", 0)) != len(self.ports):
-                    return False
+                    fields = _cluster_info(client)
+                    if fields.get("cluster_state") != "ok":
+                        return False
+                    if int(fields.get("cluster_known_nodes", 0)) != len(self.all_ports):
+                        return False
+                    if port in self.ports:
+                        continue
+                    info = client.info("replication")
+                    if info.get("role") != "slave" or info.get("master_link_status") != "up":
+                        return False
         except redis.RedisError:
             return False
         return True
@@ -325,15 +341,55 @@ class ClusterSet(_Topology):
         """A plain client of the one node at ``port`` (no redirections)."""
         return _client(port, timeout=5)
 
+    def replica_client(self, port: int) -> redis.Redis:
+        """A client of the replica at ``port`` that may read its keys (one
+        connection, in ``READONLY`` mode; a replica redirects it otherwise)."""
+        client = redis.Redis(
+            host="127.0.0.1", port=port, socket_timeout=5, single_connection_client=True
+        )
+        client.execute_command("READONLY")
+        return client
+
+    def _slots(self) -> list[Any]:
+        """``CLUSTER SLOTS`` as the first node that answers tells it."""
+        for port in self.all_ports:
+            if not self.alive(port):
+                continue
+            try:
+                with _client(port) as client:
+                    return list(client.execute_command("CLUSTER", "SLOTS"))
+            except redis.RedisError:
+                continue
+        raise AssertionError("no Cluster node answers CLUSTER SLOTS")
+
     def port_of_slot(self, slot: int) -> int:
         """The port of the master serving ``slot`` (from CLUSTER SLOTS)."""
-        with _client(self.ports[0]) as client:
-            ranges = client.execute_command("CLUSTER", "SLOTS")
-        for entry in ranges:
+        for entry in self._slots():
             start, end, master = entry[0], entry[1], entry[2]
             if int(start) <= slot <= int(end):
                 return int(master[1])
         raise AssertionError(f"no master serves slot {slot}")
+
+    def replica_of(self, master_port: int) -> int:
+        """The port of a replica of the master at ``master_port``."""
+        with _client(master_port) as client:
+            info = client.info("replication")
+        for name, value in info.items():
+            if name.startswith("slave") and isinstance(value, dict):
+                return int(value["port"])
+        raise AssertionError(f"the master at {master_port} has no replica")
+
+    def role(self, port: int) -> str:
+        """``master`` or ``slave``, as the node at ``port`` says."""
+        with _client(port) as client:
+            return str(client.info("replication")["role"])
+
+    def alive(self, port: int) -> bool:
+        return self.procs[f"node-{port}"].alive()
+
+    def kill(self, port: int) -> None:
+        """kill -9 the node at ``port``."""
+        self.procs[f"node-{port}"].kill_group()
 
     def spread_prefix(self, base: str, shards: int = CLUSTER_MASTERS) -> str:
         """A key prefix starting with ``base`` whose shards ``0..shards-1``
@@ -355,11 +411,18 @@ class ClusterSet(_Topology):
         raise AssertionError(f"no prefix under {base!r} spreads {shards} shards")
 
 
+def _cluster_info(client: redis.Redis) -> dict[str, str]:
+    info = client.execute_command("CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
 @contextlib.contextmanager
-def cluster_set(directory: Path) -> Iterator[ClusterSet]:
-    """A started :class:`ClusterSet` in ``directory``; every node is stopped
-    afterwards, and the logs are printed (shown only for a failed test)."""
-    with _started(ClusterSet(directory)) as topology:
+def cluster_set(directory: Path, *, replicas: int = 0) -> Iterator[ClusterSet]:
+    """A started :class:`ClusterSet` in ``directory`` (``replicas`` per
+    master); every node is stopped afterwards, and the logs are printed
+    (shown only for a failed test)."""
+    with _started(ClusterSet(directory, replicas=replicas)) as topology:
         yield topology
 
 
