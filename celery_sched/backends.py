@@ -45,8 +45,8 @@ def build_store(settings: Settings) -> JobStore:
 
 
 def build_redis(settings: Settings) -> RedisClient:
-    """A Redis client for the lease and staging (lazy: connects on first use,
-    except a Cluster client, which reads the slot map at once)."""
+    """A Redis client for the lease and staging (lazy: connects on first use;
+    a Cluster client reads its slot map then)."""
     from celery_sched.redisconn import build_client
 
     # A Sentinel URL gives a client of the service's current primary.

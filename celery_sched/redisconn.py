@@ -21,12 +21,17 @@ A Cluster URL names seed nodes (any few of the cluster's masters):
 * ``redis+cluster://[[user]:password@]host1:7000,host2:7001,...[/][?ssl=true]``
 
 (a host without a port is at 6379; a Cluster has no databases, so the path
-is empty, ``/`` or ``/0``). It gives redis-py's ``RedisCluster(startup_nodes=...)``,
+is empty, ``/`` or ``/0``). It gives a redis-py ``RedisCluster(startup_nodes=...)``,
 which learns the slot map from the seeds and routes each command by its
 key's slot; a script or a transaction must then touch keys of one slot only,
 which the shard's hash tag (:mod:`celery_sched.rediskeys`) guarantees.
-Unlike the other clients, a ``RedisCluster`` connects while it is built (to
-read the slot map), so building one raises when no seed answers.
+redis-py's ``RedisCluster`` reads the slot map while it is built, and raises
+when no seed answers; the one built here waits for its first use, like the
+other clients, so a beat whose Cluster is down comes up and keeps retrying
+(each use raises redis-py's error until a seed answers). Its retries are
+bounded (:data:`CLUSTER_RETRIES`, short backoffs): redis-py's default
+retries a command on a dead master for seconds, which would stall the
+leader's loop for a whole failover.
 
 A Sentinel URL gives a client of ``Sentinel(...).master_for(service)``: each
 new connection asks the sentinels where the primary is, and a connection to
@@ -56,12 +61,14 @@ if TYPE_CHECKING:
 
     import redis
     from redis.cluster import RedisCluster
+    from redis.retry import Retry
 
     #: What :func:`build_client` gives: a plain or Sentinel client, or a
     #: Cluster client (not a subclass of ``redis.Redis`` in redis-py).
     RedisClient: TypeAlias = redis.Redis | RedisCluster
 
 __all__ = [
+    "CLUSTER_RETRIES",
     "DEFAULT_CLUSTER_PORT",
     "DEFAULT_SENTINEL_PORT",
     "ClusterTarget",
@@ -74,12 +81,22 @@ __all__ = [
     "describe",
     "is_cluster_client",
     "is_cluster_url",
+    "is_connected",
     "is_sentinel_url",
     "sentinel_target",
 ]
 
 DEFAULT_SENTINEL_PORT = 26379
 DEFAULT_CLUSTER_PORT = 6379
+
+#: Retries of a command by a Cluster client built without a ``retry``, and
+#: the bounds (seconds) of their jittered exponential backoff. Enough for a
+#: retry on the refreshed slot map after a failover was completed; during a
+#: failover a command fails in well under a second instead of redis-py's
+#: default of retrying for seconds.
+CLUSTER_RETRIES = 2
+CLUSTER_BACKOFF_BASE = 0.05
+CLUSTER_BACKOFF_CAP = 0.25
 
 #: The schemes of a plain Redis URL (what redis-py's ``from_url`` reads).
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -422,10 +439,9 @@ def build_client(
     client's queries to the sentinels use the same socket timeouts. A plain
     URL goes to ``Redis.from_url`` unchanged; a malformed Sentinel or Cluster
     URL raises :class:`~celery_sched.errors.InvalidURL` naming setting or
-    option ``name``, and nothing is built. Plain and Sentinel clients are
-    lazy (they connect on first use); a Cluster client reads the slot map
-    from its seeds at once. Closing a Sentinel client closes its connections
-    to the sentinels too.
+    option ``name``, and nothing is built. Every client is lazy: it connects
+    on first use (a Cluster client reads the slot map from its seeds then).
+    Closing a Sentinel client closes its connections to the sentinels too.
     """
     import redis as redis_lib
 
@@ -527,7 +543,7 @@ def describe(client: RedisClient) -> str:
 
 
 def _cluster_client(target: ClusterTarget, connection_kwargs: Mapping[str, Any]) -> RedisCluster:
-    from redis.cluster import ClusterNode, RedisCluster
+    from redis.cluster import ClusterNode
 
     kwargs: dict[str, Any] = {"username": target.username, "password": target.password}
     if target.ssl:
@@ -536,11 +552,99 @@ def _cluster_client(target: ClusterTarget, connection_kwargs: Mapping[str, Any])
     # health_check_interval is a per-connection option redis-py's cluster
     # passes on; retry is the cluster's own and must not reach the nodes.
     retry = kwargs.pop("retry", None)
-    return RedisCluster(
+    return _lazy_cluster_class()(
         startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],  # type: ignore[no-untyped-call]
-        retry=retry,
-        **kwargs,
+        retry=retry if retry is not None else _cluster_retry(),
+        connection_kwargs=kwargs,
     )
+
+
+def _cluster_retry() -> Retry:
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.retry import Retry
+
+    return Retry(
+        ExponentialWithJitterBackoff(base=CLUSTER_BACKOFF_BASE, cap=CLUSTER_BACKOFF_CAP),
+        CLUSTER_RETRIES,
+    )
+
+
+def is_connected(client: RedisClient) -> bool:
+    """Whether a Cluster ``client`` has read its slot map (always True for
+    the other clients, whose pools connect per command)."""
+    return getattr(client, "_lazy_ready", True) is not False
+
+
+@functools.cache
+def _lazy_cluster_class() -> type[RedisCluster]:
+    import threading
+
+    from redis._parsers.encoders import Encoder
+    from redis.cluster import RedisCluster
+
+    class LazyRedisCluster(RedisCluster):
+        """A ``RedisCluster`` that reads the slot map on first use.
+
+        ``RedisCluster.__init__`` connects to the seeds; here it runs when a
+        command (or anything else) first needs an attribute it sets, under a
+        lock, and again on the next use if it failed. Until then the client
+        answers only what needs no server: its seeds, encoder, retry policy
+        and connection kwargs (so it can be described and cloned), and
+        ``close()``.
+        """
+
+        def __init__(
+            self,
+            *,
+            startup_nodes: list[Any],
+            retry: Retry,
+            connection_kwargs: dict[str, Any],
+        ) -> None:
+            # No super().__init__(): that is the part that connects.
+            self._lazy_lock = threading.Lock()
+            self._lazy_ready = False
+            self._lazy_args: dict[str, Any] = {
+                "startup_nodes": list(startup_nodes),
+                "retry": retry,
+                **connection_kwargs,
+            }
+            self._lazy_connection_kwargs = dict(connection_kwargs)
+            self.startup_nodes = list(startup_nodes)
+            self.retry = retry
+            self.encoder = Encoder(  # type: ignore[no-untyped-call]
+                connection_kwargs.get("encoding", "utf-8"),
+                connection_kwargs.get("encoding_errors", "strict"),
+                connection_kwargs.get("decode_responses", False),
+            )
+
+        def __getattr__(self, name: str) -> Any:
+            # Called only for attributes not set yet: those RedisCluster's
+            # __init__ sets, i.e. a first use.
+            if name.startswith("_lazy") or name.startswith("__"):
+                raise AttributeError(name)
+            self._lazy_connect()
+            return object.__getattribute__(self, name)
+
+        def _lazy_connect(self) -> None:
+            with self._lazy_lock:
+                if self._lazy_ready:
+                    return
+                # Raises redis-py's error (no seed answers) to this use; the
+                # next use tries again.
+                RedisCluster.__init__(self, **self._lazy_args)
+                self._lazy_ready = True
+
+        def get_connection_kwargs(self) -> dict[str, Any]:
+            if not self._lazy_ready:
+                return dict(self._lazy_connection_kwargs)
+            kwargs: dict[str, Any] = super().get_connection_kwargs()  # type: ignore[no-untyped-call]
+            return kwargs
+
+        def close(self) -> None:
+            if self._lazy_ready:
+                super().close()
+
+    return LazyRedisCluster
 
 
 #: Connection kwargs a ``RedisCluster`` fills in for its node clients (its

@@ -265,7 +265,8 @@ def probe(url: str, *, timeout: float) -> None:
     :class:`StagingUnavailable` if it does not answer within ``timeout`` seconds.
 
     For the readiness probe: no retries, and nothing shared with the leader.
-    A Cluster client connects while it is built, so building it is checked too.
+    A Cluster client reads its slot map at the PING, and raises redis-py's
+    own Cluster errors when no seed answers; they are caught too.
     """
     try:
         client = build_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)

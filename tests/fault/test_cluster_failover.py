@@ -23,10 +23,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from redis.crc import key_slot
 
-from celery_sched.backends import build_leader, build_store
+from celery_sched.backends import build_leader, build_redis, build_store
 from celery_sched.leader import Engine
 from celery_sched.rediskeys import shard_keys
 from celery_sched.settings import Settings
@@ -209,10 +210,13 @@ def test_kill_9_of_the_master_of_the_shards_slot_promotes_its_replica_and_loses_
         epoch_at_kill = max(epoch for b in beats if (epoch := b.epoch()) is not None)
         topology.kill(master)
         killed_at = time.monotonic()
-        # Scheduled while the shard's master is down (the client's best-effort
-        # staging fails; the rows are in PostgreSQL).
+        # Scheduled while the shard's master is down: the client's best-effort
+        # staging fails, quickly (the rows are in PostgreSQL).
         during = spread_jobs(300, time.time() + 0.5, 6, tag="during")
+        started = time.monotonic()
         assert client.schedule_many(during) == len(during)
+        scheduling = time.monotonic() - started
+        assert scheduling < 2.0, f"schedule_many took {scheduling:.1f}s on a dead master"
 
         wait_for(
             lambda: (
@@ -300,3 +304,41 @@ def test_kill_9_of_the_master_of_the_shards_slot_promotes_its_replica_and_loses_
     )[0][0]
     assert stale_claims == 0
     assert all(proc.alive() for proc in cluster.procs), "the worker may not exit"
+
+
+def test_a_command_on_a_dead_masters_slot_fails_fast_then_reaches_the_promoted_replica(
+    own_cluster_set: ClusterSet, settings: Settings
+) -> None:
+    topology = own_cluster_set
+    settings = dataclasses.replace(settings, redis_url=topology.url, lease_ttl=2.0)
+    client = build_redis(settings)  # the beat's shared client (staging, board)
+    key = shard_keys(settings.key_prefix, 0).staging
+    slot = key_slot(key.encode())
+    master = topology.port_of_slot(slot)
+    replica = topology.replica_of(master)
+    try:
+        client.zadd(key, {"before": 1.0})
+        with topology.replica_client(replica) as node:
+            wait_for(lambda: node.zcard(key) == 1, timeout=10, what="replication")
+        topology.kill(master)
+        killed_at = time.monotonic()
+        slowest = 0.0
+        while True:
+            started = time.monotonic()
+            try:
+                members = client.zrange(key, 0, -1)
+            except redis.RedisError:
+                slowest = max(slowest, time.monotonic() - started)
+                assert time.monotonic() - killed_at < 30, "the replica was never reached"
+                time.sleep(0.1)
+                continue
+            break
+        print(f"reached the promoted replica {time.monotonic() - killed_at:.1f}s after the kill")
+        # Each failed command gave up quickly (redis-py's default retry
+        # would hold it for seconds), and the slot map was refreshed.
+        assert slowest < 1.0, f"a command on the dead master took {slowest:.1f}s"
+        assert members == [b"before"]
+        assert int(client.nodes_manager.get_node_from_slot(slot).port) == replica
+        assert client.zadd(key, {"after": 2.0}) == 1
+    finally:
+        client.close()

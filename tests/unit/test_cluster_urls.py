@@ -1,6 +1,7 @@
 """Redis Cluster URLs (#17): parsed into seed nodes, bad ones refused with the
-problem named and the password masked, before anything is built; and the
-``celery_sched_legacy_lease_keys`` rule on a Cluster."""
+problem named and the password masked, before anything is built; the
+``celery_sched_legacy_lease_keys`` rule on a Cluster; and the client built
+from a Cluster URL, which connects on first use and retries briefly."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import pytest
 
 from celery_sched.errors import ConfigurationError
 from celery_sched.redisconn import (
+    CLUSTER_RETRIES,
     ClusterTarget,
+    build_client,
     check_url,
+    clone_client,
     cluster_target,
+    describe,
+    is_cluster_client,
     is_cluster_url,
+    is_connected,
 )
 from celery_sched.settings import Settings, sanitize_url
 from tests.unit.test_redis_urls import assert_refused
@@ -107,3 +114,67 @@ def test_sanitize_url_masks_the_cluster_form() -> None:
 def test_a_prefix_with_a_brace_is_refused(prefix: str) -> None:
     with pytest.raises(ConfigurationError, match="celery_sched_key_prefix"):
         Settings(key_prefix=prefix)
+
+
+# -- the client built from a Cluster URL -------------------------------------------------
+
+
+def _dead_url() -> str:
+    """A Cluster URL whose seeds are loopback ports nothing listens on."""
+    from tests.e2e.harness import free_port
+
+    return f"redis+cluster://:hunter2@127.0.0.1:{free_port()},127.0.0.1:{free_port()}/"
+
+
+def test_a_cluster_client_is_built_without_a_reachable_seed_and_fails_on_use() -> None:
+    from redis.cluster import RedisCluster
+    from redis.exceptions import RedisClusterException
+
+    url = _dead_url()
+    client = build_client(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        assert isinstance(client, RedisCluster) and is_cluster_client(client)
+        assert not is_connected(client)
+        # What needs no server works: describing, scripts, clones.
+        assert describe(client) == url.replace(":hunter2@", "")
+        client.register_script("return 1")
+        clone = clone_client(client, max_connections=2, socket_timeout=0.1)
+        assert not is_connected(clone)
+        assert clone.get_connection_kwargs()["password"] == "hunter2"
+        assert clone.get_connection_kwargs()["socket_timeout"] == 0.1
+        clone.close()
+        # A use raises redis-py's error, every time (each use tries again).
+        for _ in range(2):
+            with pytest.raises(RedisClusterException, match="cannot be connected"):
+                client.get("k")
+        assert not is_connected(client)
+    finally:
+        client.close()
+
+
+def test_a_cluster_client_retries_a_failed_command_briefly() -> None:
+    client = build_client(_dead_url())
+    try:
+        assert client.retry.get_retries() == CLUSTER_RETRIES
+        backoff = client.retry._backoff
+        # Whatever the jitter, all retries together take well under a second.
+        assert sum(backoff.compute(n) for n in range(1, CLUSTER_RETRIES + 1)) <= 0.5
+    finally:
+        client.close()
+
+
+def test_a_lease_and_staging_on_an_unreachable_cluster_raise_unavailable() -> None:
+    from celery_sched.errors import LeaseUnavailable, StagingUnavailable
+    from celery_sched.lease.redis import RedisLeaseBackend
+    from celery_sched.staging.redis import RedisStaging
+
+    client = build_client(_dead_url(), socket_timeout=0.5, socket_connect_timeout=0.5)
+    lease = RedisLeaseBackend(client, prefix="t", op_timeout=0.5)
+    try:
+        with pytest.raises(LeaseUnavailable, match="cannot be reached"):
+            lease.acquire(0, "token", 5.0)
+        with pytest.raises(StagingUnavailable, match="cannot be connected"):
+            RedisStaging(client, prefix="t").size(0)
+    finally:
+        lease.close()
+        client.close()
