@@ -426,6 +426,19 @@ def cluster_set(directory: Path, *, replicas: int = 0) -> Iterator[ClusterSet]:
         yield topology
 
 
+@contextlib.contextmanager
+def unstarted_cluster_set(directory: Path) -> Iterator[ClusterSet]:
+    """A :class:`ClusterSet` in ``directory`` whose ports are chosen but
+    whose nodes are not started (call :meth:`ClusterSet.start`); whatever
+    was started is stopped afterwards, and the logs are printed."""
+    topology = ClusterSet(directory)
+    try:
+        yield topology
+    finally:
+        topology.stop()
+        print(topology.logs())
+
+
 def masters_of(client: Any, keys: list[str]) -> set[int]:
     """The ports of the masters a Cluster ``client`` sends ``keys`` to, by
     each key's ``CLUSTER KEYSLOT`` as the server computes it."""
