@@ -714,6 +714,14 @@ class Staging(abc.ABC):
     def size(self, shard: int) -> int:
         """How many ids are staged."""
 
+    def drop_legacy(self, shard: int) -> int:
+        """Retire ``shard``'s staging set of clients and leaders before hash
+        tags: stage its ids in the current set (an id staged there already
+        keeps its score), then remove them from the old one; return how many
+        job ids it held. For a leader, once no old beat runs. A backend
+        without such a set (the in-memory fake) has nothing to retire."""
+        return 0
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PublishResult:

@@ -304,7 +304,7 @@ class Engine:
 
     def _elected(self, epoch: int) -> None:
         self._epoch = self._last_epoch = epoch
-        self._stager.rewind()
+        self._stager.elected()
         self._next_stage = self._next_sweep = self._next_reconcile = self._next_plan = 0.0
         self._next_backlog = self._next_rehome = 0.0
         self._rehoming.elected()

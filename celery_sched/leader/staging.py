@@ -71,6 +71,18 @@ class Stager:
         # Due time up to which every pending job is staged (None: unknown,
         # start over from the store's present).
         self._staged_until: dt.datetime | None = None
+        # Beats before hash tags may still lead (and pop the old staging
+        # set) while the lease holds their key too; only once it does not
+        # is the old set retired, at the first pass of each term.
+        self._retire_legacy = not settings.hold_legacy_lease_keys
+        self._legacy_pending = False
+
+    def elected(self) -> None:
+        """A new term: start over from the present, and retire the staging
+        set of clients before hash tags at the next pass (once no old beat
+        runs: ``celery_sched_legacy_lease_keys`` off, or a Cluster)."""
+        self.rewind()
+        self._legacy_pending = self._retire_legacy
 
     def rewind(self) -> None:
         """Forget the high-water mark: the next pass starts from the present
@@ -79,6 +91,8 @@ class Stager:
 
     def stage(self) -> None:
         """Copy jobs due within the window into Redis, incrementally."""
+        if self._legacy_pending and not self._drop_legacy():
+            return
         store_now = self._store_clock.measure()
         horizon = store_now + dt.timedelta(seconds=self._window)
         limit = self.limit
@@ -99,6 +113,23 @@ class Stager:
             self.unavailable(exc, sweep_by=0.0)
             return
         self._staged_until = items[-1][1] if len(items) >= limit else horizon
+
+    def _drop_legacy(self) -> bool:
+        """Retire the legacy staging set; False when Redis refused."""
+        try:
+            moved = self._staging.drop_legacy(self._shard)
+        except StagingUnavailable as exc:
+            self.unavailable(exc, sweep_by=0.0)
+            return False
+        self._legacy_pending = False
+        if moved:
+            logger.info(
+                "shard %d: staged %d ids from the staging set of clients before hash "
+                "tags, and emptied it",
+                self._shard,
+                moved,
+            )
+        return True
 
     def stage_planned(self, written: Sequence[tuple[uuid.UUID, dt.datetime, int]]) -> None:
         """Stage new occurrences due within the window: the stager only reads

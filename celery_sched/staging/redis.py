@@ -17,8 +17,11 @@ an old client stages is a pending row in PostgreSQL first; the new leader's
 stager re-stages pending rows of its horizon from PostgreSQL into the new
 set, and its sweep claims every due pending row straight from PostgreSQL, so
 a job staged only in the legacy set is claimed by whichever comes first. The
-leftover legacy set holds only ids (no payload); :meth:`RedisStaging.drop_legacy`
-removes it once.
+legacy set holds only ids (no payload). A leader elected once the fleet is
+upgraded (``celery_sched_legacy_lease_keys`` off) retires it with
+:meth:`RedisStaging.drop_legacy`: its ids are staged in the new set first, so
+a job an old client staged is still popped on time, then removed from the
+old one.
 """
 
 from __future__ import annotations
@@ -114,12 +117,38 @@ class RedisStaging(Staging):
         """The Redis key of ``shard``'s sorted set."""
         return shard_keys(self._prefix, shard).staging
 
-    def drop_legacy(self, shard: int) -> bool:
-        """Delete ``shard``'s staging set of beats before hash tags, once the
-        fleet is upgraded; True if there was one. Its ids are pending rows in
-        PostgreSQL, which the stager and the sweep find without it."""
-        key = legacy_staging_key(self._prefix, shard)
-        return self._call(lambda: bool(self._client.delete(key)), f"drop of {key}")
+    def drop_legacy(self, shard: int) -> int:
+        """Stage the ids of ``shard``'s set of beats before hash tags in the
+        current set (``ZADD NX``: an id staged there already keeps its
+        score), then remove them from the old set, which Redis deletes once
+        empty; return how many job ids it held. Members that are not job
+        ids are removed unstaged. Two steps, not one script: on a Cluster the
+        two keys are in different slots. An id an old client adds between
+        the two stays for the next call; one removed after a failed copy is
+        still a pending row in PostgreSQL, which the stager and the sweep find."""
+        legacy = legacy_staging_key(self._prefix, shard)
+        key = self.key(shard)
+
+        def read() -> list[tuple[Any, float]]:
+            rows: Any = self._client.zrange(legacy, 0, -1, withscores=True)
+            return [(member, float(score)) for member, score in rows]
+
+        found = self._call(read, f"read of {legacy}")
+        if not found:
+            return 0
+        pairs = [(text, score) for member, score in found if (text := _job_id_text(member))]
+
+        def zadd_nx(pipe: redis.client.Pipeline, chunk: Sequence[tuple[str, float]]) -> None:
+            pipe.zadd(key, dict(chunk), nx=True)
+
+        def zrem(pipe: redis.client.Pipeline, chunk: Sequence[Any]) -> None:
+            pipe.zrem(legacy, *chunk)
+
+        if pairs:
+            self._pipelined(pairs, zadd_nx, f"restaging of {len(pairs)} ids from {legacy}")
+        members = [member for member, _score in found]
+        self._pipelined(members, zrem, f"removal of {len(members)} ids from {legacy}")
+        return len(pairs)
 
     # -- Staging ------------------------------------------------------------
 
@@ -258,6 +287,15 @@ class RedisStaging(Staging):
                 # is harmless because Postgres, not this set, is the truth.
                 logger.warning("ignoring a staged member that is not a job id in %s", key)
         return ids
+
+
+def _job_id_text(member: Any) -> str | None:
+    """``member`` as the 32 hex digits of a job id, or None if it is not one."""
+    try:
+        text = member.decode("ascii") if isinstance(member, bytes) else str(member)
+        return uuid.UUID(hex=text).hex if len(text) == 32 else None
+    except ValueError:
+        return None
 
 
 def probe(url: str, *, timeout: float) -> None:

@@ -202,3 +202,12 @@ def test_large_batch_add_and_pop(staging: Staging) -> None:
     popped = staging.pop_due(0, at(30), 20_000)
     assert popped == jobs[12_000:]
     assert staging.size(0) == 0
+
+
+def test_drop_legacy_without_a_legacy_set_leaves_the_staged_ids(staging: Staging) -> None:
+    a, b = ids(2)
+    staging.add(0, [(a, at(1)), (b, at(2))])
+    assert staging.drop_legacy(0) == 0
+    assert staging.drop_legacy(1) == 0
+    assert staging.size(0) == 2
+    assert staging.pop_due(0, at(2), 10) == [a, b]

@@ -1,7 +1,7 @@
 """The rolling upgrade to hash-tagged keys (#17): old and new beats competing
 for one shard on one Redis are never both leaders while the new beats hold
 the legacy key too (``celery_sched_legacy_lease_keys``), and are no longer
-excluded once it is off.
+excluded once it is off; a leader elected then retires the old staging set.
 
 The old beat here is :class:`OldLease`: the commands the lease before hash
 tags sent (``git show ff82a11:celery_sched/lease/redis.py`` and its two Lua
@@ -14,6 +14,7 @@ importing the old module, whose scripts would now load the new Lua files.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ import redis
 
 from celery_sched.lease.redis import RedisLeaseBackend, lease_key
 from celery_sched.rediskeys import legacy_lease_key
+from celery_sched.settings import Settings
 from tests.e2e.harness import delete_keys
 
 pytestmark = pytest.mark.integration
@@ -253,3 +255,53 @@ def test_the_leader_board_shows_an_old_leader_during_the_upgrade(
     (view,) = RedisLeaderBoard(client, prefix=prefix).read([SHARD])
     assert view.holder == "oldhost:41"
     assert view.ttl is not None and 0 < view.ttl <= 5.0
+
+
+def test_a_leader_elected_with_legacy_keys_off_retires_the_old_staging_set(
+    settings: Settings,
+) -> None:
+    # The last step of the upgrade: no old beat runs, the legacy key is off.
+    # A job an old client staged only in the old set is then popped from the
+    # new one at its due time, and the old set is gone.
+    from celery_sched.backends import build_lease, build_redis, build_staging, build_store
+    from celery_sched.dispatch.memory import MemoryDispatcher
+    from celery_sched.leader import Engine
+    from celery_sched.lease.elector import LeaderElector
+    from celery_sched.rediskeys import legacy_staging_key
+    from tests.contract.conftest import new_job
+
+    settings = dataclasses.replace(settings, legacy_lease_keys=False, staging_window=60.0)
+    store = build_store(settings)
+    store.migrate()
+    client = build_redis(settings)
+    staging = build_staging(settings, client)
+    elector = LeaderElector(
+        build_lease(settings, client),
+        shard=0,
+        ttl=5.0,
+        safety_margin=0.5,
+        acquire_epoch=store.acquire_epoch,
+        holder="new:1",
+    )
+    dispatcher = MemoryDispatcher()
+    engine = Engine(
+        store=store, staging=staging, dispatcher=dispatcher, elector=elector, settings=settings
+    )
+    legacy = legacy_staging_key(settings.key_prefix, 0)
+    try:
+        job = new_job("staged-by-an-old-client", store.now() + dt.timedelta(seconds=1))
+        store.add_job(job)
+        client.zadd(legacy, {job.id.hex: job.due_at.timestamp()})
+
+        assert elector.try_acquire() is not None
+        engine.step()
+        assert client.exists(legacy) == 0
+        assert client.zscore(staging.key(0), job.id.hex) == job.due_at.timestamp()
+        deadline = time.monotonic() + 10
+        while job.id not in dispatcher.sent_ids() and time.monotonic() < deadline:
+            time.sleep(engine.step())
+        assert dispatcher.sent_ids() == [job.id]
+    finally:
+        engine.stop()
+        client.close()
+        store.close()

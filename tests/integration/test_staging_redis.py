@@ -229,13 +229,23 @@ def test_hundred_thousand_ids_add_and_pop_in_batches(staging: RedisStaging) -> N
     assert elapsed < 15, elapsed
 
 
-def test_drop_legacy_removes_the_set_of_beats_before_hash_tags_only(
+def test_drop_legacy_restages_the_ids_of_the_set_before_hash_tags_and_empties_it(
     staging: RedisStaging, client: redis.Redis, unique_name: str
 ) -> None:
     legacy = legacy_staging_key(unique_name, 0)
-    client.zadd(legacy, {uuid.uuid4().hex: NOW.timestamp()})
-    staging.add(0, [(uuid.uuid4(), NOW)])
-    assert staging.drop_legacy(0) is True
+    moved, both = uuid.uuid4(), uuid.uuid4()
+    client.zadd(
+        legacy,
+        {moved.hex: NOW.timestamp(), both.hex: NOW.timestamp() + 5, "not-a-job-id": 1.0},
+    )
+    staging.add(0, [(both, NOW + dt.timedelta(seconds=9))])
+    client.zadd(legacy_staging_key(unique_name, 1), {uuid.uuid4().hex: 1.0})
+
+    assert staging.drop_legacy(0) == 2
     assert client.exists(legacy) == 0
-    assert staging.size(0) == 1  # the new set is untouched
-    assert staging.drop_legacy(0) is False
+    # Both ids are staged under the new key; one staged there already keeps its score.
+    assert staging.pop_due(0, NOW, 10) == [moved]
+    assert staging.next_due(0) == NOW + dt.timedelta(seconds=9)
+    # Another shard's old set is not this call's business.
+    assert client.exists(legacy_staging_key(unique_name, 1)) == 1
+    assert staging.drop_legacy(0) == 0

@@ -872,3 +872,44 @@ def test_the_reconciler_drains_in_batches_and_counts_what_moved_before_a_takeove
     with pytest.raises(StaleEpoch):
         Reconciler(rig.store, rig.settings, stats, limit=2).drain(epoch)
     assert (stats.requeued, stats.dead) == (2, 0)
+
+
+class LegacyStaging(FlakyStaging):
+    """Staging that counts the retirements of the set of beats before hash tags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drops: list[int] = []
+
+    def drop_legacy(self, shard: int) -> int:
+        self._check()
+        self.drops.append(shard)
+        return 3
+
+
+@pytest.mark.parametrize("legacy_keys", [False, True])
+def test_a_leader_retires_the_legacy_staging_set_once_per_term_once_the_fleet_is_upgraded(
+    rig: Rig, legacy_keys: bool
+) -> None:
+    rig.settings = dataclasses.replace(rig.settings, legacy_lease_keys=legacy_keys)
+    rig.staging = staging = LegacyStaging()
+    staging.down = True
+    elector = rig.elector("a")
+    engine = rig.engine(elector)
+    engine.step()
+    assert staging.drops == []  # standing by: not its business
+
+    assert elector.try_acquire() is not None
+    engine.step()  # Redis refuses: tried again next pass
+    staging.down = False
+    rig.run(engine, 5)
+    # Old beats may still lead (and pop the old set) while the lease holds
+    # their key too; only once it does not is the set retired, once a term.
+    assert staging.drops == ([] if legacy_keys else [0])
+
+    elector.release()
+    engine.step()
+    assert engine.role == "standby"
+    rig.run(engine, 3)
+    assert engine.role == "leader"
+    assert staging.drops == ([] if legacy_keys else [0, 0])
