@@ -546,3 +546,22 @@ def test_schedules_that_cannot_be_stored_or_planned_are_refused(
     with pytest.raises(InvalidSchedule, match=match):
         client.schedules.add("s", "tests.add", schedule, **extra)
     assert client.schedules.list() == []
+
+
+def test_a_cluster_that_does_not_answer_only_costs_the_staging(
+    app: Celery, store: MemoryJobStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.e2e.harness import free_port
+
+    # redis-py's Cluster client used to raise its own error when built, after
+    # the insert had committed; now staging fails as any Redis outage does.
+    url = f"redis+cluster://127.0.0.1:{free_port()}/"
+    client = Client(app, settings=Settings(redis_url=url), store=store)
+    due = dt.datetime.now(UTC) + dt.timedelta(seconds=5)
+    with caplog.at_level("WARNING", logger="celery_sched.client"):
+        assert (
+            client.schedule_many([{"task": "tests.add", "args": [1], "eta": due, "key": "k"}]) == 1
+        )
+    assert store.get("k") is not None
+    assert "could not stage 1 new jobs" in caplog.text
+    assert "Redis Cluster cannot be connected" in caplog.text
