@@ -601,8 +601,9 @@ def _lazy_cluster_class() -> type[RedisCluster]:
             connection_kwargs: dict[str, Any],
         ) -> None:
             # No super().__init__(): that is the part that connects.
-            self._lazy_lock = threading.Lock()
+            self._lazy_lock = threading.RLock()
             self._lazy_ready = False
+            self._lazy_building = False
             self._lazy_args: dict[str, Any] = {
                 "startup_nodes": list(startup_nodes),
                 "retry": retry,
@@ -627,12 +628,18 @@ def _lazy_cluster_class() -> type[RedisCluster]:
 
         def _lazy_connect(self) -> None:
             with self._lazy_lock:
-                if self._lazy_ready:
+                if self._lazy_ready or self._lazy_building:
+                    # (Building: RedisCluster.__init__ itself asked for an
+                    # attribute it has not set yet; it is missing.)
                     return
-                # Raises redis-py's error (no seed answers) to this use; the
-                # next use tries again.
-                RedisCluster.__init__(self, **self._lazy_args)
-                self._lazy_ready = True
+                self._lazy_building = True
+                try:
+                    # Raises redis-py's error (no seed answers) to this use;
+                    # the next use tries again.
+                    RedisCluster.__init__(self, **self._lazy_args)
+                    self._lazy_ready = True
+                finally:
+                    self._lazy_building = False
 
         def get_connection_kwargs(self) -> dict[str, Any]:
             if not self._lazy_ready:

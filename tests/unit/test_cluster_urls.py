@@ -178,3 +178,24 @@ def test_a_lease_and_staging_on_an_unreachable_cluster_raise_unavailable() -> No
     finally:
         lease.close()
         client.close()
+
+
+def test_building_a_cluster_client_that_reads_its_own_unset_attributes_neither_hangs_nor_recurses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from redis.cluster import RedisCluster
+
+    seen: list[object] = []
+
+    def init(self: RedisCluster, **kwargs: object) -> None:
+        # As a redis-py version might: read an attribute before setting it.
+        seen.append(getattr(self, "not_set_yet", "missing"))
+        raise ConnectionError("no seed (test)")
+
+    client = build_client(_dead_url())
+    monkeypatch.setattr(RedisCluster, "__init__", init)
+    for _ in range(2):
+        with pytest.raises(ConnectionError, match="no seed"):
+            client.get("k")
+    assert seen == ["missing", "missing"]
+    assert not is_connected(client)
