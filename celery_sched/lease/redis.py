@@ -70,12 +70,14 @@ _RETRY_DELAY = 0.05
 
 #: Errors that mean "Redis cannot be reached or cannot write right now".
 #: READONLY comes from a replica promoted away from us after a failover;
-#: a Cluster client raises its own error when no node can be reached.
+#: a Cluster client raises its own error when no node can be reached, and a
+#: Cluster answers CLUSTERDOWN while a master is failing or before it formed.
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.ReadOnlyError,
     redis.exceptions.RedisClusterUnreachableError,
+    redis.exceptions.ClusterDownError,
 )
 
 #: Every error the driver raises: redis-py's Cluster client raises some

@@ -199,3 +199,17 @@ def test_building_a_cluster_client_that_reads_its_own_unset_attributes_neither_h
             client.get("k")
     assert seen == ["missing", "missing"]
     assert not is_connected(client)
+
+
+def test_a_cluster_that_is_down_or_unreachable_is_the_lease_backend_unavailable() -> None:
+    from redis.exceptions import ClusterDownError, RedisClusterUnreachableError, ResponseError
+
+    from celery_sched.errors import LeaseUnavailable
+    from celery_sched.lease.redis import translate
+
+    for error in (
+        ClusterDownError("The cluster is down"),
+        RedisClusterUnreachableError("Redis Cluster cannot be connected"),
+    ):
+        assert isinstance(translate(error), LeaseUnavailable), error
+    assert not isinstance(translate(ResponseError("WRONGTYPE")), LeaseUnavailable)
