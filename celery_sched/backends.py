@@ -141,6 +141,9 @@ def build_leader(
         safety_margin=settings.lease_safety_margin,
         acquire_epoch=store.acquire_epoch,
         holder=f"{socket.gethostname()}:{os.getpid()}",
+        # Twice per renewal period: a shard given to this beat (a dead
+        # beat's) is won soon after its lease runs out.
+        standby_interval=settings.lease_ttl / 6,
     )
     return Engine(
         store=store,

@@ -4,7 +4,7 @@ shard it competes for, and the balancing that decides which.
 Beats without a pinned shard (``celery_sched_shard`` unset, the default)
 share the ``celery_sched_shards`` shards between them:
 
-1. every ``ttl / 3`` seconds, on a thread of its own, each beat lists itself
+1. every ``ttl / 6`` seconds, on a thread of its own, each beat lists itself
    as alive and reads back who else is (:mod:`celery_sched.lease.membership`;
    listed for one lease ttl), and who holds each shard's lease now;
 2. on the loop's thread, at the same pace, it computes the shards each live
@@ -12,17 +12,18 @@ share the ``celery_sched_shards`` shards between them:
    answer in every beat: a shard stays with its leader while that beat has
    room) and keeps an engine competing for each of its own;
 3. a shard assigned elsewhere is handed over: if this beat leads it and it
-   has been assigned elsewhere for one more period (so a blip in the
-   membership moves nothing), its engine is stopped between two passes: the
+   has been assigned elsewhere for ``ttl / 3`` (so a blip in the membership
+   moves nothing), its engine is stopped between two passes: the
    pass in progress has finished, every batch it claimed is published, and
    the lease is released with a compare-and-delete. The new owner's elector
-   wins it at its next attempt (within ``ttl / 3``) and bumps the epoch, so
-   nothing is fenced mid-batch and the shard goes unled for at most about one
-   period.
+   wins it at its next attempt (a standby tries every ``ttl / 6``) and bumps
+   the epoch, so nothing is fenced mid-batch and the shard goes unled for
+   about ``ttl / 6`` at most.
 
 When a beat dies, its listing and its leases run out after one ttl; the next
-balancing of the others gives its shards to them, and their electors take the
-leases at once. When the membership cannot be read (Redis is down), a beat
+balancing of the others (within ``ttl / 6``) gives its shards to them, and
+their electors take the leases at once, or at their next attempt: led again
+within about ``ttl * 4 / 3`` of the last renewal. When the membership cannot be read (Redis is down), a beat
 keeps the engines it has; the leases decide as always.
 
 A pinned beat runs one engine for its shard and takes no part in the
@@ -97,8 +98,13 @@ class Fleet:
         self._on_stop = on_stop
         # False: no heartbeat thread; the caller calls heartbeat() (tests).
         self._background = background
-        #: Seconds between balancings (and membership heartbeats).
-        self.interval = ttl / 3
+        #: Seconds between balancings (and membership heartbeats): twice per
+        #: renewal period, so a dead beat's shards move soon after its leases
+        #: run out.
+        self.interval = ttl / 6
+        #: How long a shard this beat leads must stay assigned elsewhere
+        #: before it is handed over (a blip in the membership moves nothing).
+        self.handover_delay = ttl / 3
         self._engines: dict[int, Engine] = {}
         # Engines stopped here: kept for their counters (metrics) until the
         # shard comes back.
@@ -218,7 +224,7 @@ class Fleet:
                 self._stop_engine(shard, why="assigned to another beat")
                 continue
             since = self._elsewhere_since.setdefault(shard, now)
-            if now - since >= self.interval - 1e-9:
+            if now - since >= self.handover_delay - 1e-9:
                 self._stop_engine(shard, why="handed over to another beat")
         for shard in mine:
             self._elsewhere_since.pop(shard, None)
