@@ -23,8 +23,9 @@ share the ``celery_sched_shards`` shards between them:
 When a beat dies, its listing and its leases run out after one ttl; the next
 balancing of the others (within ``ttl / 6``) gives its shards to them, and
 their electors take the leases at once, or at their next attempt: led again
-within about ``ttl * 4 / 3`` of the last renewal. When the membership cannot be read (Redis is down), a beat
-keeps the engines it has; the leases decide as always.
+within about ``ttl * 4 / 3`` of the last renewal. When the membership cannot
+be read (Redis is down), a beat keeps the engines it has; the leases decide
+as always.
 
 A pinned beat runs one engine for its shard and takes no part in the
 membership; balanced beats may compete with it for that shard (the lease

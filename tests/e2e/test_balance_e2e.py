@@ -134,7 +134,9 @@ def start_beat(cluster: Cluster, name: str, ports: dict[str, int]) -> Proc:
 def test_three_beats_share_sixteen_shards_and_a_killed_one_is_covered(
     redis_url: str, make_cluster: Any, e2e_settings: Settings
 ) -> None:
-    settings = dataclasses.replace(e2e_settings, shards=SHARDS)
+    # A short visibility timeout lets the reconciler requeue, within the
+    # test, what the killed beat had claimed but not published.
+    settings = dataclasses.replace(e2e_settings, shards=SHARDS, visibility_timeout=8.0)
     ttl = settings.lease_ttl
     cluster = make_cluster(redis_url, settings)
     cluster.start_worker(concurrency=8)
