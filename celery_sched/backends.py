@@ -16,6 +16,7 @@ import functools
 import os
 import socket
 import threading
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -30,9 +31,11 @@ if TYPE_CHECKING:
         LeaderBoard,
         LeaseBackend,
         Ledger,
+        Membership,
         Staging,
     )
-    from celery_sched.leader import Engine
+    from celery_sched.leader import Engine, EngineStats
+    from celery_sched.leader.fleet import Fleet
     from celery_sched.models import ScheduleSpec
     from celery_sched.redisconn import RedisClient
 
@@ -104,39 +107,115 @@ def build_ledger(settings: Settings, store: JobStore | None = None) -> Ledger:
 
 
 def build_leader(
-    app: Any, settings: Settings, *, store: JobStore, static: Sequence[ScheduleSpec]
+    app: Any,
+    settings: Settings,
+    *,
+    store: JobStore,
+    static: Sequence[ScheduleSpec],
+    shard: int | None = None,
+    shared: SharedParts | None = None,
+    stats: EngineStats | None = None,
 ) -> Engine:
-    """Assemble this process's leader for ``settings.shard``, not yet started.
+    """Assemble this process's engine for ``shard`` (default: the pinned
+    ``settings.shard``, else 0), not yet started.
 
     ``store`` is the job store the caller opened (and migrated); the elector
-    bumps its epochs, and the ledger shares its pool. The rest is built here
-    from ``settings``: the Redis lease and staging (one client), the broker
-    dispatcher, the idempotency ledger, and the planner of ``static`` (the
-    code's periodic schedules). Connects to nothing until used. Call
-    :meth:`Engine.start` to compete for the lease.
+    bumps its epochs, and the ledger shares its pool. ``shared`` holds what
+    the engines of one beat share (:func:`build_fleet`); without it they are
+    built here from ``settings``: the Redis lease, staging and board (one
+    client), the broker dispatcher, the idempotency ledger. The planner of
+    ``static`` (the code's periodic schedules) is the engine's own. Connects
+    to nothing until used. Call :meth:`Engine.start` to compete for the lease.
     """
     from celery_sched.leader import Engine
     from celery_sched.leader.planning import Planner
     from celery_sched.lease.elector import LeaderElector
 
-    redis_client = build_redis(settings)
+    owned = shared is None
+    parts = SharedParts.build(app, settings, store) if shared is None else shared
+    settings = settings.for_shard(settings.engine_shard if shard is None else shard)
     elector = LeaderElector(
-        build_lease(settings, redis_client),
-        shard=settings.shard,
+        parts.lease,
+        shard=settings.engine_shard,
         ttl=settings.lease_ttl,
         safety_margin=settings.lease_safety_margin,
         acquire_epoch=store.acquire_epoch,
         holder=f"{socket.gethostname()}:{os.getpid()}",
+        # Twice per renewal period: a shard given to this beat (a dead
+        # beat's) is won soon after its lease runs out.
+        standby_interval=settings.lease_ttl / 6,
     )
     return Engine(
         store=store,
-        staging=build_staging(settings, redis_client),
-        dispatcher=build_dispatcher(app, settings),
+        staging=parts.staging,
+        dispatcher=parts.dispatcher,
         elector=elector,
         settings=settings,
         planner=Planner(store, settings, app=app, static=static),
-        ledger=build_ledger(settings, store),
-        board=build_board(settings, redis_client),
+        ledger=parts.ledger,
+        board=parts.board,
+        stats=stats,
+        owns_dispatcher=owned,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SharedParts:
+    """What every engine of one beat process shares: one Redis client's lease,
+    staging, board and membership, one broker dispatcher (the engines run one
+    after another on one thread), one ledger over the store's pool."""
+
+    redis: RedisClient
+    lease: LeaseBackend
+    staging: Staging
+    board: LeaderBoard
+    membership: Membership
+    dispatcher: Dispatcher
+    ledger: Ledger
+
+    @classmethod
+    def build(cls, app: Any, settings: Settings, store: JobStore) -> SharedParts:
+        from celery_sched.lease.membership import RedisMembership
+
+        client = build_redis(settings)
+        return cls(
+            redis=client,
+            lease=build_lease(settings, client),
+            staging=build_staging(settings, client),
+            board=build_board(settings, client),
+            membership=RedisMembership(client, prefix=settings.key_prefix),
+            dispatcher=build_dispatcher(app, settings),
+            ledger=build_ledger(settings, store),
+        )
+
+
+def build_fleet(
+    app: Any, settings: Settings, *, store: JobStore, static: Sequence[ScheduleSpec]
+) -> Fleet:
+    """Assemble this beat process's :class:`~celery_sched.leader.fleet.Fleet`,
+    not yet started: an engine for ``settings.shard`` when it is pinned, else
+    one per shard the balancing gives this beat (:mod:`celery_sched.leader.fleet`)."""
+    from celery_sched.leader.fleet import Fleet
+
+    parts = SharedParts.build(app, settings, store)
+
+    def make_engine(shard: int, stats: EngineStats) -> Engine:
+        return build_leader(
+            app, settings, store=store, static=static, shard=shard, shared=parts, stats=stats
+        )
+
+    return Fleet(
+        make_engine=make_engine,
+        shards=settings.shards,
+        pinned=settings.shard,
+        membership=None if settings.shard is not None else parts.membership,
+        # (The lease holder name, host:pid, then a part of its own.)
+        beat_id=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+        leaders=lambda shards: {
+            view.shard: view.holder for view in parts.board.read(range(shards))
+        },
+        ttl=settings.lease_ttl,
+        on_stop=parts.dispatcher.close,
     )
 
 

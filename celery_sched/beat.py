@@ -1,7 +1,9 @@
 """The drop-in face: ``celery -A proj beat -S celery_sched``.
 
 :class:`Scheduler` is a ``celery.beat.Scheduler`` whose ``tick`` runs one pass
-of the :class:`~celery_sched.leader.Engine` and returns how long to sleep.
+of the beat's :class:`~celery_sched.leader.fleet.Fleet` (an engine per shard
+it competes for; every beat without a pinned ``celery_sched_shard`` shares the
+shards with the others) and returns how long to sleep.
 Constructed with ``lazy=True`` (as the start-up banner does) it connects to
 nothing. It touches neither SQL nor Redis itself: it opens the store and hands
 the rest to :func:`celery_sched.backends.build_leader`.
@@ -9,7 +11,7 @@ the rest to :func:`celery_sched.backends.build_leader`.
 Periodic schedules: at setup it reads the app's static schedules
 (``beat_schedule``, ``add_periodic_task`` entries, ``@app.task(base=Task,
 schedule=...)``, and beat's own ``celery.backend_cleanup`` when beat would add
-it) and hands them to the engine's planner, whose leader writes them into
+it) and hands them to the engines' planners, whose leader writes them into
 PostgreSQL. It keeps no per-entry state: ``self.data`` stays empty, and what
 is due is read from the store a batch at a time, so memory does not grow with
 the number of schedules stored.
@@ -64,11 +66,20 @@ def check_shards(store: JobStore, shards: int) -> None:
 COMMAND_LINE: dict[str, Any] = {}
 
 
+def _role_line(settings: Settings) -> str:
+    if settings.shard is not None:
+        return f"pinned to shard {settings.shard} of {settings.shards}"
+    return (
+        f"sharing {settings.shards} shard(s) with the other beats "
+        "(each leads at most ceil(shards / live beats))"
+    )
+
+
 class Scheduler(beat.Scheduler):
     """Celery beat scheduler backed by PostgreSQL, Redis and a fenced lease."""
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-        self._engine: Any = None
+        self._fleet: Any = None
         self._metrics: Any = None
         self._settings: Settings | None = None
         super().__init__(app, *args, **kwargs)
@@ -82,7 +93,7 @@ class Scheduler(beat.Scheduler):
         return self._settings
 
     def setup_schedule(self) -> None:
-        from celery_sched.backends import build_leader, build_store
+        from celery_sched.backends import build_fleet, build_store
 
         settings = self.settings
         # Before connecting anywhere. An entry that cannot be handled is
@@ -97,13 +108,12 @@ class Scheduler(beat.Scheduler):
         except BaseException:
             store.close()
             raise
-        self._engine = build_leader(self.app, settings, store=store, static=static)
-        self._engine.start()
+        self._fleet = build_fleet(self.app, settings, store=store, static=static)
+        self._fleet.start()
         self._serve_metrics(settings)
         logger.info(
-            "celery_sched: shard %d competing for the lease (store %s, redis %s); "
-            "%d periodic schedules in code",
-            settings.shard,
+            "celery_sched: %s (store %s, redis %s); %d periodic schedules in code",
+            _role_line(settings),
             settings.safe_database_url,
             settings.safe_redis_url,
             len(static),
@@ -116,7 +126,7 @@ class Scheduler(beat.Scheduler):
         try:
             from celery_sched.metrics.beat import serve
 
-            self._metrics = serve(self._engine, settings)
+            self._metrics = serve(self._fleet, settings)
         except Exception:
             # (serve() logs and swallows its own failures; this is the
             # last guard: the beat must never die from its metrics.)
@@ -150,12 +160,12 @@ class Scheduler(beat.Scheduler):
         return specs
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        if self._engine is None:
+        if self._fleet is None:
             self.setup_schedule()
         try:
-            delay: float = self._engine.step()
+            delay: float = self._fleet.step()
         except Exception:
-            # Engine.step never raises; should that ever break, beat must
+            # Fleet.step never raises; should that ever break, beat must
             # still not exit (celery.beat.Service ends on any exception).
             logger.exception("celery_sched: leader pass failed; retrying")
             return ERROR_DELAY
@@ -174,23 +184,28 @@ class Scheduler(beat.Scheduler):
                 metrics.close()
             except Exception:
                 logger.exception("celery_sched: closing the metrics server failed")
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.stop()
+        fleet, self._fleet = self._fleet, None
+        if fleet is not None:
+            fleet.stop()
         super().close()
 
     @property
     def info(self) -> str:
         settings = self.settings
         lines = [
-            f"    . shard -> {settings.shard} of {settings.shards}",
+            f"    . shards -> {_role_line(settings)}",
             f"    . store -> {settings.safe_database_url} (schema {settings.db_schema}; "
             f"from {settings.origin('database_url')})",
             f"    . redis -> {settings.safe_redis_url} (prefix {settings.key_prefix}; "
             f"from {settings.origin('redis_url')})",
         ]
-        if self._engine is not None:
-            lines.insert(0, f"    . role -> {self._engine.role} (epoch {self._engine.epoch})")
+        if self._fleet is not None:
+            leading = self._fleet.leading()
+            lines.insert(
+                0,
+                f"    . role -> leading {len(leading)} shard(s)"
+                + (f": {', '.join(map(str, leading))}" if leading else ""),
+            )
         else:
             lines.insert(0, "    . role -> not started")
         lines.append(f"    . schedules -> {self._schedule_count()}")

@@ -640,6 +640,25 @@ class LeaseBackend(abc.ABC):
         """The token holding the lease, or ``None``."""
 
 
+class Membership(abc.ABC):
+    """Which beats are alive, for beats that share the shards between them
+    (:mod:`celery_sched.leader.balancing`); Redis in production.
+
+    A beat stays listed for ``ttl`` seconds after its last :meth:`heartbeat`
+    (by the backend's clock, never the caller's). Unreachable backends raise
+    :class:`~celery_sched.errors.LeaseUnavailable`.
+    """
+
+    @abc.abstractmethod
+    def heartbeat(self, beat: str, ttl: float) -> list[str]:
+        """List ``beat`` as alive for ``ttl`` more seconds, forget beats whose
+        time ran out, and return the ids of every live beat, sorted."""
+
+    @abc.abstractmethod
+    def leave(self, beat: str) -> None:
+        """Stop listing ``beat`` (a clean shutdown), at once."""
+
+
 class LeaderBoard(abc.ABC):
     """Where each shard's leader says it is at work, for operators (Redis).
 

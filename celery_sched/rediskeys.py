@@ -33,6 +33,7 @@ import dataclasses
 
 __all__ = [
     "ShardKeys",
+    "beats_key",
     "check_prefix",
     "key_patterns",
     "legacy_lease_key",
@@ -76,6 +77,15 @@ def shard_keys(prefix: str, shard: int) -> ShardKeys:
 def legacy_lease_key(prefix: str, shard: int) -> str:
     """The lease key of beats before hash tags (held too during an upgrade)."""
     return f"{prefix}:lease:{shard}"
+
+
+def beats_key(prefix: str) -> str:
+    """The sorted set of live beats under ``prefix`` (member: a beat's id,
+    score: when its heartbeat expires, in Redis's milliseconds): how beats
+    that share the shards find each other. One key, with a hash tag of its
+    own, so its script is single-slot on a Cluster."""
+    check_prefix(prefix)
+    return f"{{{prefix}}}:beats"
 
 
 def legacy_staging_key(prefix: str, shard: int) -> str:

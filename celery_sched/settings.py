@@ -58,8 +58,13 @@ class IgnoredSettingWarning(UserWarning):
     gives the same setting a different value."""
 
 
-def _field(default: Any, doc: str) -> Any:
-    return dataclasses.field(default=default, metadata={"doc": doc})
+def _field(default: Any, doc: str, *, kind: type[Any] | None = None) -> Any:
+    """A setting; ``kind`` is its type when the default (``None``: unset)
+    does not say it."""
+    metadata: dict[str, Any] = {"doc": doc}
+    if kind is not None:
+        metadata["kind"] = kind
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,7 +100,13 @@ class Settings:
         262_144, "Largest serialized task body accepted by `schedule`, in bytes."
     )
     shards: int = _field(1, "Number of shards jobs are spread over (by key hash).")
-    shard: int = _field(0, "The shard this beat process competes to lead.")
+    shard: int | None = _field(
+        None,
+        "Pin this beat to one shard (it competes for that shard only). Unset (the default), "
+        "the beats share the `shards` shards between them, each leading at most "
+        "ceil(shards / live beats).",
+        kind=int,
+    )
     key_prefix: str = _field(
         "celery_sched",
         "Prefix of every Redis key celery_sched writes (no `{` or `}`: a shard's keys carry "
@@ -233,7 +244,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"celery_sched_{name} must be at least 1")
         self._check_planner()
-        if not 0 <= self.shard < self.shards:
+        if self.shard is not None and not 0 <= self.shard < self.shards:
             raise ConfigurationError(
                 f"celery_sched_shard must be in [0, {self.shards}), got {self.shard}"
             )
@@ -344,6 +355,21 @@ class Settings:
                 "hash-tagged one are in different slots, and no beat before hash tags "
                 "ran on a Cluster; leave it unset or false"
             )
+
+    # -- shards -------------------------------------------------------------
+
+    @property
+    def engine_shard(self) -> int:
+        """The shard an :class:`~celery_sched.leader.Engine` given these
+        settings leads: the pinned one, else 0. A beat that shares the shards
+        (no pin) gives each of its engines settings pinned by :meth:`for_shard`."""
+        return 0 if self.shard is None else self.shard
+
+    def for_shard(self, shard: int) -> Settings:
+        """These settings pinned to ``shard`` (where they came from kept)."""
+        pinned = dataclasses.replace(self, shard=shard)
+        object.__setattr__(pinned, "_origins", self._origins)
+        return pinned
 
     def origin(self, name: str) -> str:
         """Where setting ``name`` came from: ``app config <key>``,
@@ -507,7 +533,9 @@ def _warn_unknown_keys(places: list[Mapping[str, Any]], namespace: str | None) -
 
 
 def _coerce(field: dataclasses.Field[Any], raw: Any) -> Any:
-    kind: type[Any] = type(field.default)
+    kind: type[Any] = field.metadata.get("kind") or type(field.default)
+    if field.default is None and (raw is None or (isinstance(raw, str) and not raw.strip())):
+        return None
     if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
         return raw
     try:

@@ -204,7 +204,7 @@ def _in_batches(description: str, one_batch: Callable[[], int], batch: int) -> i
     "--shard",
     type=click.IntRange(min=0),
     default=None,
-    help="The shard to reconcile (default: celery_sched_shard).",
+    help="The shard to reconcile (default: celery_sched_shard if pinned, else every shard).",
 )
 @click.option(
     "--limit",
@@ -214,36 +214,49 @@ def _in_batches(description: str, one_batch: Callable[[], int], batch: int) -> i
 )
 @click.pass_context
 def reconcile(ctx: click.Context, shard: int | None, limit: int | None) -> None:
-    """Run the reconciler now, fenced by the shard's current leader epoch.
+    """Run the reconciler now, fenced by each shard's current leader epoch.
 
     Jobs dispatched longer ago than their visibility timeout, and running
     jobs past their max_runtime, go back to pending (attempt + 1), or become
     dead past max_attempts. The leader dispatches the requeued jobs again.
+    Shards that never had a leader are skipped (nothing was dispatched).
     """
     client = client_of(ctx)
     settings = client.settings
-    shard = settings.shard if shard is None else shard
-    if shard >= settings.shards:
+    if shard is None:
+        shards = list(range(settings.shards)) if settings.shard is None else [settings.shard]
+    elif shard >= settings.shards:
         raise click.UsageError(f"--shard must be below celery_sched_shards ({settings.shards})")
-    moved = EngineStats()
+    else:
+        shards = [shard]
     with clean_errors(), client:
-        epoch = client.store.current_epoch(shard)
-        if epoch == 0:
+        led = [(one, client.store.current_epoch(one)) for one in shards]
+        led = [(one, epoch) for one, epoch in led if epoch != 0]
+        if not led:
             raise click.ClickException(
-                f"shard {shard} has never had a leader, so nothing was dispatched and there is "
-                "nothing to reconcile; start a beat (its leader runs the reconciler too)"
+                f"{_shards_text(shards)}, so nothing was dispatched and "
+                "there is nothing to reconcile; start a beat (its leader runs the reconciler too)"
             )
-        reconciler = Reconciler(client.store, settings, moved, shard=shard, limit=limit)
-        try:
-            reconciler.drain(epoch)
-        except StaleEpoch as exc:
-            raise click.ClickException(
-                f"StaleEpoch: {exc}. A new leader took over during the pass (after this "
-                f"command requeued {moved.requeued} and marked {moved.dead} dead); its "
-                "reconciler carries on. Run the command again to reconcile now."
-            ) from exc
-    click.echo(
-        f"Shard {shard} (epoch {epoch}): requeued {moved.requeued} job(s), marked {moved.dead} "
-        f"dead; {moved.timed_out} of them were running past their max_runtime; "
-        f"{moved.untracked} no worker tracks marked sent."
-    )
+        for one, epoch in led:
+            moved = EngineStats()
+            reconciler = Reconciler(client.store, settings, moved, shard=one, limit=limit)
+            try:
+                reconciler.drain(epoch)
+            except StaleEpoch as exc:
+                raise click.ClickException(
+                    f"StaleEpoch: {exc}. A new leader of shard {one} took over during the pass "
+                    f"(after this command requeued {moved.requeued} and marked {moved.dead} "
+                    "dead there); its reconciler carries on. Run the command again to "
+                    "reconcile now."
+                ) from exc
+            click.echo(
+                f"Shard {one} (epoch {epoch}): requeued {moved.requeued} job(s), marked "
+                f"{moved.dead} dead; {moved.timed_out} of them were running past their "
+                f"max_runtime; {moved.untracked} no worker tracks marked sent."
+            )
+
+
+def _shards_text(shards: list[int]) -> str:
+    if len(shards) == 1:
+        return f"shard {shards[0]} has never had a leader"
+    return f"no shard of {shards[0]}..{shards[-1]} has ever had a leader"

@@ -2,8 +2,12 @@
 
 One module per duty, each with its interval and what its failure does:
 
-- :mod:`~celery_sched.leader.loop`: :class:`Engine`, the loop and its timers;
-  :meth:`Engine.step` runs the duties that are due and never raises.
+- :mod:`~celery_sched.leader.fleet`: :class:`~celery_sched.leader.fleet.Fleet`,
+  a beat's engines, one per shard it competes for, and the balancing of the
+  shards between beats (:mod:`~celery_sched.leader.balancing`: who should
+  lead which shard).
+- :mod:`~celery_sched.leader.loop`: :class:`Engine`, one shard's loop and its
+  timers; :meth:`Engine.step` runs the duties that are due and never raises.
 - :mod:`~celery_sched.leader.staging`: copying jobs due soon into Redis.
 - :mod:`~celery_sched.leader.claiming`: claiming staged ids when due, and
   publishing them (the fast path).
@@ -25,7 +29,8 @@ One module per duty, each with its interval and what its failure does:
   the store's time as the leader estimates it, and the counters.
 
 The election itself is :class:`~celery_sched.lease.elector.LeaderElector`;
-:func:`celery_sched.backends.build_leader` assembles a leader from settings.
+:func:`celery_sched.backends.build_fleet` assembles a beat's fleet from
+settings, :func:`celery_sched.backends.build_leader` one shard's engine.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class BacklogReader:
         self._staging = staging
         self._store_clock = store_clock
         self._clock = clock
-        self._shard = settings.shard
+        self._shard = settings.engine_shard
         self._shards = settings.shards
         self._next_counts = 0.0
         #: Seconds between readings.

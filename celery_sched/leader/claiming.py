@@ -56,7 +56,7 @@ class Claimer:
         self._publisher = publisher
         self._clock = clock
         self._claim_seconds = stats.claim_seconds
-        self._shard = settings.shard
+        self._shard = settings.engine_shard
         self._max_tick = settings.max_tick
         #: Most ids popped and claimed per pass.
         self.batch_size = settings.batch_size

@@ -49,7 +49,7 @@ class Housekeeper:
         """Prune finished jobs and completed ledger entries past their retention,
         and heartbeat rows long silent."""
         settings = self._settings
-        if settings.shard != 0:
+        if settings.engine_shard != 0:
             return
         try:
             if settings.retention > 0:
@@ -66,4 +66,6 @@ class Housekeeper:
                 older_than=max(WORKER_RETENTION, 10 * settings.worker_timeout)
             )
         except CelerySchedError as exc:
-            logger.warning("shard %d: pruning failed, will try again: %s", settings.shard, exc)
+            logger.warning(
+                "shard %d: pruning failed, will try again: %s", settings.engine_shard, exc
+            )

@@ -1,9 +1,11 @@
 """The leader loop: stage -> pop -> plan -> sweep -> reconcile -> rescue -> prune -> rehome
 -> backlog -> presence.
 
-One :class:`Engine` runs in each beat process. All of them compete for the
-shard's lease through a :class:`~celery_sched.lease.elector.LeaderElector`
-(renewed on its own thread); only the holder does any work. :meth:`Engine.step`
+One :class:`Engine` runs per shard a beat process competes for (a
+:class:`~celery_sched.leader.fleet.Fleet` keeps them). The engines of one
+shard, one per competing beat, compete for its lease through a
+:class:`~celery_sched.lease.elector.LeaderElector` (renewed on its own
+thread); only the holder does any work. :meth:`Engine.step`
 performs one pass on the caller's thread and returns how long to sleep, so
 ``celery.beat.Service`` can drive it from ``Scheduler.tick``. Each duty has a
 module of its own in this package, and its interval there; this one only
@@ -86,6 +88,8 @@ class Engine:
         planner: Planner | None = None,
         ledger: Ledger | None = None,
         board: LeaderBoard | None = None,
+        stats: EngineStats | None = None,
+        owns_dispatcher: bool = True,
     ) -> None:
         self.store = store
         self.planner = planner
@@ -94,8 +98,10 @@ class Engine:
         self.dispatcher = dispatcher
         self.elector = elector
         self.settings = settings
-        self.shard = settings.shard
-        self.stats = EngineStats()
+        self.shard = settings.engine_shard
+        # (Given by a fleet that keeps a shard's counters across engines.)
+        self.stats = EngineStats() if stats is None else stats
+        self._owns_dispatcher = owns_dispatcher
         self._clock = clock
         self._wall = wall
         self._epoch: int | None = None
@@ -195,13 +201,17 @@ class Engine:
         self.elector.start()
 
     def stop(self) -> None:
-        """Stop competing, release the lease if held, close the broker link."""
+        """Stop competing, release the lease if held, close the broker link
+        (unless it is shared: ``owns_dispatcher=False``). Call it between two
+        passes: the pass in progress has published what it claimed."""
         try:
             self.elector.stop()
         finally:
+            self._epoch = None
             self._backlog.close()
             self._sweeper.close()
-            self.dispatcher.close()
+            if self._owns_dispatcher:
+                self.dispatcher.close()
 
     @property
     def role(self) -> str:

@@ -63,7 +63,7 @@ class LateOccurrences:
         self._default = MisfirePolicy(settings.misfire_policy)
         self._window = settings.catchup_window
         self._most = settings.max_catchup
-        self._shard = settings.shard
+        self._shard = settings.engine_shard
 
     def drop_missed(self, jobs: Sequence[Job], epoch: int, now: dt.datetime) -> Sequence[Job]:
         """``jobs`` without the late occurrences the policy drops, which are

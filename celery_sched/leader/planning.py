@@ -430,7 +430,7 @@ class Planning:
         self._elector = elector
         self._stats = stats
         self._stager = stager
-        self._shard = settings.shard
+        self._shard = settings.engine_shard
         self._shards = settings.shards
         #: Seconds between passes once a pass finished within its budget (a
         #: pass cut short goes on right after dispatching).

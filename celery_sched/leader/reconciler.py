@@ -44,7 +44,7 @@ def requeue_limit(settings: Settings) -> int:
 class Reconciler:
     """Requeues one shard's dispatched jobs that no worker started in time.
 
-    ``shard`` defaults to ``settings.shard``, ``limit`` (rows per
+    ``shard`` defaults to ``settings.engine_shard``, ``limit`` (rows per
     transaction) to :func:`requeue_limit`. What moved is added to ``stats``.
     """
 
@@ -60,7 +60,7 @@ class Reconciler:
         self._store = store
         self._stats = stats
         self._visibility_timeout = settings.visibility_timeout
-        self.shard = settings.shard if shard is None else shard
+        self.shard = settings.engine_shard if shard is None else shard
         #: Seconds between the leader's batches.
         self.interval = settings.reconcile_interval
         #: Jobs moved per transaction at most.

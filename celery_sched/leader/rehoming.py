@@ -172,7 +172,7 @@ class Rehoming:
 
     def run(self) -> bool:
         """One pass; True when work was left for the next one."""
-        if self._settings.shard != 0:
+        if self._settings.engine_shard != 0:
             return False
         more = self._stranded()
         if self._full_pass_due is None:

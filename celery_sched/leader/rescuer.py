@@ -39,7 +39,7 @@ class Rescuer:
     def __init__(self, store: JobStore, settings: Settings, stats: EngineStats) -> None:
         self._store = store
         self._stats = stats
-        self._shard = settings.shard
+        self._shard = settings.engine_shard
         self._worker_timeout = settings.worker_timeout
         #: Seconds between passes.
         self.interval = max(0.1, min(RESCUE_INTERVAL, settings.worker_timeout / 4))

@@ -60,7 +60,7 @@ class Stager:
         self._store_clock = store_clock
         self._stats = stats
         self._sweep_by = sweep_by
-        self._shard = settings.shard
+        self._shard = settings.engine_shard
         self._window = settings.staging_window
         #: Seconds between passes. Frequent small increments: each pass reads
         #: and stages only what entered the window since the last one, so no

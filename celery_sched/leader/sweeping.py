@@ -64,7 +64,7 @@ class Sweeper:
         self._publisher = publisher
         self._claimer = claimer
         self._claim_seconds = stats.claim_seconds
-        self._shard = settings.shard
+        self._shard = settings.engine_shard
         #: Seconds between sweeps while there is no backlog.
         self.interval = settings.sweep_interval
         #: Rows claimed per batch.

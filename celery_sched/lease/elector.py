@@ -94,6 +94,7 @@ class LeaderElector:
         clock: Callable[[], float] = time.monotonic,
         on_elected: LeaseCallback | None = None,
         on_lost: LeaseCallback | None = None,
+        standby_interval: float | None = None,
     ) -> None:
         if ttl <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl!r}")
@@ -112,6 +113,9 @@ class LeaderElector:
         self._clock = clock
         self._on_elected = on_elected
         self._on_lost = on_lost
+        self._standby_interval = ttl / 3 if standby_interval is None else standby_interval
+        if self._standby_interval <= 0:
+            raise ValueError(f"standby_interval must be positive, got {standby_interval!r}")
 
         # Replaced wholesale, never mutated, so readers need no lock.
         self._lease: Lease | None = None
@@ -142,8 +146,14 @@ class LeaderElector:
 
     @property
     def interval(self) -> float:
-        """Seconds between renewals (leader) or acquisition attempts (standby)."""
+        """Seconds between renewals (while leading)."""
         return self._ttl / 3
+
+    @property
+    def standby_interval(self) -> float:
+        """Seconds between acquisition attempts (standing by); ``ttl / 3``
+        unless given."""
+        return self._standby_interval
 
     # -- reading the role (never touches the backend) -------------------------
 
@@ -316,7 +326,8 @@ class LeaderElector:
     def _run(self) -> None:
         logger.debug("shard %d: lease thread started for %s", self._shard, self._holder)
         while not self._stopping.is_set():
-            delay = self.interval
+            period = self.interval if self._lease is not None else self._standby_interval
+            delay = period
             try:
                 started = self._clock()
                 if self._lease is not None:
@@ -325,7 +336,7 @@ class LeaderElector:
                     self.try_acquire()
                 # Count from the tick's start, so a slow call does not
                 # stretch the renewal period past ttl / 3.
-                delay = min(self.interval, max(0.0, self.interval - (self._clock() - started)))
+                delay = min(period, max(0.0, period - (self._clock() - started)))
             except Exception:
                 # The thread must outlive any surprise, or the lease would
                 # lapse silently; the next tick tries again.

@@ -1,4 +1,4 @@
-"""An in-memory lease backend and leader board for unit tests.
+"""An in-memory lease backend, leader board and beat membership for unit tests.
 
 Same semantics as :class:`~celery_sched.lease.redis.RedisLeaseBackend`
 (it passes the same contract tests), with expiry judged by an injected clock
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from celery_sched.errors import LeaseUnavailable
-from celery_sched.interfaces import LeaderBoard, LeaseBackend
+from celery_sched.interfaces import LeaderBoard, LeaseBackend, Membership
 from celery_sched.lease.elector import token_holder
 from celery_sched.models import LeaderReport, LeaderView
 
@@ -115,3 +115,35 @@ class MemoryLeaderBoard(LeaderBoard):
                     )
                 )
         return views
+
+
+class MemoryMembership(Membership):
+    """:class:`~celery_sched.interfaces.Membership` in a dict ``beat ->
+    expires_at`` on ``clock``'s scale; :attr:`available` ``False`` simulates
+    an outage (:class:`~celery_sched.errors.LeaseUnavailable`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._beats: dict[str, float] = {}
+        self.available = True
+
+    def heartbeat(self, beat: str, ttl: float) -> list[str]:
+        if not beat:
+            raise ValueError("a beat id must not be empty")
+        _check_ttl(ttl)
+        with self._lock:
+            now = self._reachable_now()
+            self._beats = {b: until for b, until in self._beats.items() if until > now}
+            self._beats[beat] = now + ttl
+            return sorted(self._beats)
+
+    def leave(self, beat: str) -> None:
+        with self._lock:
+            self._reachable_now()
+            self._beats.pop(beat, None)
+
+    def _reachable_now(self) -> float:
+        if not self.available:
+            raise LeaseUnavailable("the beat membership (memory) is marked unavailable")
+        return self._clock()

@@ -145,6 +145,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "CELERY_SCHED_RECONCILE_INTERVAL": str(settings.reconcile_interval),
         "CELERY_SCHED_STAGING_WINDOW": str(settings.staging_window),
         "CELERY_SCHED_BATCH_SIZE": str(settings.batch_size),
+        "CELERY_SCHED_SHARDS": str(settings.shards),
         "CELERY_SCHED_MISFIRE_POLICY": settings.misfire_policy,
         "CELERY_SCHED_MISFIRE_GRACE": str(settings.misfire_grace),
     }

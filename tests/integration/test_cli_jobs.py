@@ -277,7 +277,8 @@ def test_leader_shows_a_running_beat(redis_url: str, make_cluster: Any, e2e_sett
 
     settings = dataclasses.replace(e2e_settings, shards=2)
     cluster = make_cluster(redis_url, settings)
-    beat = cluster.start_beat(CELERY_SCHED_SHARDS="2")
+    # Pinned to shard 0, so shard 1 has no leader.
+    beat = cluster.start_beat(CELERY_SCHED_SHARDS="2", CELERY_SCHED_SHARD="0")
     wait_for(cluster.leader, timeout=30, what="a leader")
     env = {
         **os.environ,

@@ -492,7 +492,7 @@ def test_beat_starts_with_rows_in_shards_that_no_longer_exist_and_warns(
         scheduler = Scheduler(app)  # a real beat Scheduler: setup_schedule runs the check
     try:
         assert any("shard 2: 3 pending" in r.getMessage() for r in caplog.records)
-        assert scheduler._engine is not None
+        assert scheduler._fleet is not None
     finally:
         scheduler.close()
 

@@ -609,3 +609,38 @@ def test_release_also_frees_an_orphaned_lease(
     # Shutting down right after the blip must not leave the key to expire.
     elector.stop()
     assert backend.holder(0) is None
+
+
+def test_a_standby_tries_at_its_own_pace_and_wins_soon_after_the_lease_frees() -> None:
+    backend = MemoryLeaseBackend()
+    assert backend.acquire(0, "other:1:x", 0.6)
+    elector = LeaderElector(
+        backend,
+        shard=0,
+        ttl=6.0,
+        safety_margin=0.5,
+        acquire_epoch=lambda shard, holder: 1,
+        holder="me:2",
+        standby_interval=0.1,
+    )
+    assert (elector.interval, elector.standby_interval) == (2.0, 0.1)
+    started = time.monotonic()
+    elector.start()
+    try:
+        assert elector.wait_changed(timeout=3.0)
+        # The other lease ran out at 0.6 s; with the default pace (ttl / 3 =
+        # 2 s) the next attempt would come at 2 s.
+        assert time.monotonic() - started < 1.2
+        assert elector.is_leader()
+    finally:
+        elector.stop()
+    with pytest.raises(ValueError, match="standby_interval"):
+        LeaderElector(
+            backend,
+            shard=0,
+            ttl=6.0,
+            safety_margin=0.5,
+            acquire_epoch=lambda shard, holder: 1,
+            holder="me:2",
+            standby_interval=0.0,
+        )
