@@ -291,7 +291,10 @@ def test_kill_9_of_the_master_of_the_shards_slot_promotes_its_replica_and_loses_
     popped = set().union(*(beat.popped_since(recovered_at) for beat in beats))
     assert after_ids <= popped, f"{len(after_ids - popped)} later jobs were never staged"
     assert records.since(recovered_at, "staging unavailable") == []
-    assert records.since(recovered_at, "cannot be reached") == []
+    # (A standby's acquisition attempts, every ttl / 6, may still meet the
+    # dead node until its client refreshes the slot map; they do not count.)
+    unreachable = records.since(recovered_at, "cannot be reached")
+    assert [message for message in unreachable if "to acquire" not in message] == []
 
     # The fence: once the current epoch was taken, no older epoch claimed anything.
     epoch, _holder = cluster.leader()
