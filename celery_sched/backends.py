@@ -165,7 +165,6 @@ class SharedParts:
     staging, board and membership, one broker dispatcher (the engines run one
     after another on one thread), one ledger over the store's pool."""
 
-    redis: RedisClient
     lease: LeaseBackend
     staging: Staging
     board: LeaderBoard
@@ -179,7 +178,6 @@ class SharedParts:
 
         client = build_redis(settings)
         return cls(
-            redis=client,
             lease=build_lease(settings, client),
             staging=build_staging(settings, client),
             board=build_board(settings, client),

@@ -110,7 +110,6 @@ class Fleet:
         # Engines stopped here: kept for their counters (metrics) until the
         # shard comes back.
         self._retired: dict[int, Engine] = {}
-        self._stats: dict[int, EngineStats] = {}
         # When each shard this beat runs was first seen assigned elsewhere.
         self._elsewhere_since: dict[int, float] = {}
         self._next_balance = 0.0
@@ -273,8 +272,9 @@ class Fleet:
                 logger.exception("celery_sched: unexpected error in the beats heartbeat")
 
     def _run_engine(self, shard: int) -> None:
-        stats = self._stats.setdefault(shard, EngineStats())
-        engine = self._make_engine(shard, stats)
+        # A shard that comes back counts on from where it stopped.
+        retired = self._retired.get(shard)
+        engine = self._make_engine(shard, EngineStats() if retired is None else retired.stats)
         self._retired.pop(shard, None)
         self._engines[shard] = engine
         engine.start()

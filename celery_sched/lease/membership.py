@@ -17,14 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-import redis
 from redis.commands.core import Script
 
 from celery_sched.interfaces import Membership
-from celery_sched.lease.redis import DRIVER_ERRORS, load_script, translate, ttl_to_ms
+from celery_sched.lease.redis import call_quickly, load_script, ttl_to_ms
 from celery_sched.redisconn import describe
 from celery_sched.rediskeys import beats_key
-from celery_sched.retry import call_with_retry
 
 if TYPE_CHECKING:
     from celery_sched.redisconn import RedisClient
@@ -60,19 +58,7 @@ class RedisMembership(Membership):
         self._call(lambda: self._client.zrem(self._key, beat), "beats leave")
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
-        try:
-            return call_with_retry(
-                fn,
-                transient=(redis.ConnectionError,),
-                translate=translate,
-                what=what,
-                url=self._where,
-                attempts=2,
-                backoff=0.05,
-                max_delay=0.05,
-            )
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
+        return call_quickly(fn, what=what, where=self._where)
 
 
 def _text(value: object) -> str:

@@ -232,18 +232,25 @@ class RedisLeaseBackend(LeaseBackend):
         return str(value)
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
-        try:
-            return call_with_retry(
-                fn,
-                transient=(redis.ConnectionError,),
-                translate=translate,
-                what=what,
-                url=self._where,
-                attempts=_ATTEMPTS,
-                backoff=_RETRY_DELAY,
-                max_delay=_RETRY_DELAY,
-            )
-        except DRIVER_ERRORS as exc:
-            # Timeouts and server errors are not retried: a slow Redis would
-            # only eat more of the renewal period.
-            raise translate(exc) from exc
+        return call_quickly(fn, what=what, where=self._where)
+
+
+def call_quickly(fn: Callable[[], T], *, what: str, where: str) -> T:
+    """``fn()`` against Redis for the lease's side of things (the lease, the
+    beats' membership): one quick retry of a dropped connection, every driver
+    error translated (:func:`translate`)."""
+    try:
+        return call_with_retry(
+            fn,
+            transient=(redis.ConnectionError,),
+            translate=translate,
+            what=what,
+            url=where,
+            attempts=_ATTEMPTS,
+            backoff=_RETRY_DELAY,
+            max_delay=_RETRY_DELAY,
+        )
+    except DRIVER_ERRORS as exc:
+        # Timeouts and server errors are not retried: a slow Redis would
+        # only eat more of the renewal period.
+        raise translate(exc) from exc

@@ -210,6 +210,18 @@ class ProcessGroup:
         with self.connect() as conn:
             conn.execute(sql.replace("{s}", f'"{self.schema}"'), params)
 
+    def stale_claims(self) -> int:
+        """Jobs claimed by an older epoch of shard 0 after its current epoch
+        was taken: what the fence must keep at 0."""
+        epoch, _holder = self.leader() or (0, "")
+        acquired_at = self.query("SELECT acquired_at FROM {s}.leaders WHERE shard = 0")[0][0]
+        rows = self.query(
+            "SELECT count(*) FROM {s}.jobs WHERE leader_epoch < %s AND dispatched_at > %s",
+            epoch,
+            acquired_at,
+        )
+        return int(rows[0][0])
+
     def leader(self) -> tuple[int, str] | None:
         """(epoch, holder) of shard 0's lease; None before a beat has migrated or led."""
         try:

@@ -6,6 +6,7 @@ small ttl.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -614,15 +615,16 @@ def test_release_also_frees_an_orphaned_lease(
 def test_a_standby_tries_at_its_own_pace_and_wins_soon_after_the_lease_frees() -> None:
     backend = MemoryLeaseBackend()
     assert backend.acquire(0, "other:1:x", 0.6)
-    elector = LeaderElector(
+    paced = functools.partial(
+        LeaderElector,
         backend,
         shard=0,
         ttl=6.0,
         safety_margin=0.5,
         acquire_epoch=lambda shard, holder: 1,
         holder="me:2",
-        standby_interval=0.1,
     )
+    elector = paced(standby_interval=0.1)
     assert (elector.interval, elector.standby_interval) == (2.0, 0.1)
     started = time.monotonic()
     elector.start()
@@ -635,12 +637,4 @@ def test_a_standby_tries_at_its_own_pace_and_wins_soon_after_the_lease_frees() -
     finally:
         elector.stop()
     with pytest.raises(ValueError, match="standby_interval"):
-        LeaderElector(
-            backend,
-            shard=0,
-            ttl=6.0,
-            safety_margin=0.5,
-            acquire_epoch=lambda shard, holder: 1,
-            holder="me:2",
-            standby_interval=0.0,
-        )
+        paced(standby_interval=0.0)
