@@ -69,6 +69,11 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def median_of(runs: Sequence[dict[str, Any]], name: str, digits: int = 3) -> float | None:
+    """The median of field ``name`` over ``runs`` (those that have it), rounded."""
+    return rounded(median([run[name] for run in runs if run[name] is not None]), digits)
+
+
 def rounded(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 

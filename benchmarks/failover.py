@@ -39,7 +39,7 @@ from _common import (
     decode,
     emit,
     load_avg,
-    median,
+    median_of,
     progress,
     rounded,
 )
@@ -222,8 +222,7 @@ def main() -> None:
     lost_max = max(r["lost"] for r in runs)
 
     def med(name: str) -> float | None:
-        values = [r[name] for r in runs if r[name] is not None]
-        return rounded(median(values), 3)
+        return median_of(runs, name, 3)
 
     emit(
         {

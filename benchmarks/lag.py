@@ -31,7 +31,7 @@ from _common import (
     Run,
     emit,
     load_avg,
-    median,
+    median_of,
     progress,
     rounded,
 )
@@ -186,8 +186,7 @@ def main() -> None:
     runs = [run_once(ns, i + 1) for i in range(ns.runs)]
 
     def med(name: str) -> float | None:
-        values = [r[name] for r in runs if r[name] is not None]
-        return rounded(median(values), 1)
+        return median_of(runs, name, 1)
 
     p99 = med("p99_ms")
     complete = all(r["received"] >= r["jobs"] for r in runs)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import Run, emit, load_avg, median, progress, rounded
+from _common import Run, emit, load_avg, median_of, progress, rounded
 from legacy_app import app
 from redis.crc import key_slot
 
@@ -103,8 +103,7 @@ def main() -> None:
     runs = [run_once(ns, i + 1) for i in range(ns.runs)]
 
     def med(name: str) -> float | None:
-        values = [r[name] for r in runs if r[name] is not None]
-        return rounded(median(values), 3)
+        return median_of(runs, name, 3)
 
     emit(
         {
