@@ -20,6 +20,11 @@ the number of schedules stored.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from celery import beat
@@ -60,6 +65,62 @@ def check_shards(store: JobStore, shards: int) -> None:
     )
 
 
+class StopAfterPass:
+    """Holds SIGTERM and SIGINT that arrive during a pass until it ends.
+
+    ``celery beat`` stops on these signals by closing the scheduler and
+    raising ``SystemExit`` from wherever the main thread is. In the middle of
+    a pass that is between a claim and its publish: the claimed jobs would
+    stay ``dispatched``, unsent, until the reconciler requeues them a
+    visibility timeout later. Wrapped by this guard, beat's handler runs once
+    the pass is over (its jobs published or released); a second signal during
+    the same pass runs it at once, for a pass that hangs.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Callable[[int, FrameType | None], Any]] = {}
+        self._in_pass = False
+        self._pending: int | None = None
+
+    def install(self) -> bool:
+        """Wrap the current handlers (in the main thread only, where Python
+        runs them); False when there was nothing to wrap."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for signum in self.SIGNALS:
+            handler = signal.getsignal(signum)
+            if callable(handler) and signum not in self._previous:
+                self._previous[signum] = handler
+                signal.signal(signum, self._handle)
+        return bool(self._previous)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._in_pass and self._pending is None:
+            self._pending = signum
+            logger.info(
+                "celery_sched: %s received during a pass; stopping when it ends "
+                "(send it again to stop at once)",
+                signal.Signals(signum).name,
+            )
+            return
+        self._pending = None
+        self._previous[signum](signum, frame)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """A pass: a signal arriving inside waits for its end."""
+        self._in_pass = True
+        try:
+            yield
+        finally:
+            self._in_pass = False
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._previous[pending](pending, None)
+
+
 #: Settings given on the beat's command line (``--metrics-port``); they win
 #: over the app's configuration and the environment, as command-line options
 #: do. Filled by :mod:`celery_sched.cli.beat_options` before beat starts.
@@ -82,6 +143,7 @@ class Scheduler(beat.Scheduler):
         self._fleet: Any = None
         self._metrics: Any = None
         self._settings: Settings | None = None
+        self._stop_guard: StopAfterPass | None = None
         super().__init__(app, *args, **kwargs)
 
     # -- celery.beat.Scheduler overrides -----------------------------------
@@ -162,8 +224,14 @@ class Scheduler(beat.Scheduler):
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self._fleet is None:
             self.setup_schedule()
+        if self._stop_guard is None:
+            # Here, not at setup: beat installs its own handlers before the
+            # scheduler is made, and ticks run in the thread that handles them.
+            self._stop_guard = StopAfterPass()
+            self._stop_guard.install()
         try:
-            delay: float = self._fleet.step()
+            with self._stop_guard.running():
+                delay: float = self._fleet.step()
         except Exception:
             # Fleet.step never raises; should that ever break, beat must
             # still not exit (celery.beat.Service ends on any exception).

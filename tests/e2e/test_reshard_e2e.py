@@ -59,6 +59,22 @@ def assert_every_job_ran_once(cluster: Cluster, keys: set[str]) -> None:
     assert cluster.query(f"SELECT count(*) FROM {{s}}.jobs WHERE status IN {UNFINISHED}") == [(0,)]
 
 
+def not_run(cluster: Cluster) -> str:
+    """The jobs without a recorded run, counted by (status, shard, attempt),
+    with a few of them in full: what a failure needs to be understood."""
+    missing = (
+        "FROM {s}.jobs j WHERE NOT EXISTS (SELECT 1 FROM {s}.e2e_runs r WHERE r.job_key = j.key)"
+    )
+    counts = cluster.query(
+        f"SELECT status, shard, attempt, leader_epoch, count(*) {missing} GROUP BY 1, 2, 3, 4"
+    )
+    sample = cluster.query(
+        f"SELECT key, status, shard, attempt, leader_epoch, due_at, dispatched_at {missing}"
+        " ORDER BY due_at LIMIT 5"
+    )
+    return f"{counts}; {sample}"
+
+
 def change_count_while_jobs_flow(
     cluster: Cluster, settings: Settings, *, before: int, after: int
 ) -> set[str]:
@@ -83,7 +99,10 @@ def change_count_while_jobs_flow(
     assert new.schedule_many(second) == 200
     wait_for(lambda: leaders(cluster, after, restarted), timeout=40, what="new leaders")
     keys = {job["key"] for job in first + second}
-    wait_for(lambda: cluster.run_count() >= len(keys), timeout=60, what="every job to run")
+    try:
+        wait_for(lambda: cluster.run_count() >= len(keys), timeout=60, what="every job to run")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; the jobs that did not run: {not_run(cluster)}") from None
     wait_for(lambda: placed_for(cluster) == after, timeout=20, what="the placement recorded")
     time.sleep(1)  # a duplicate would show up now
     return keys
