@@ -31,7 +31,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from celery_sched.client import Client
-from celery_sched.errors import CelerySchedError, ConfigurationError
+from celery_sched.errors import CelerySchedError, ConfigurationError, InvalidCursor
 from celery_sched.models import (
     REQUEUABLE_STATUSES,
     Job,
@@ -252,6 +252,11 @@ class Console:
                 return await handler(request)
             except BadInput as exc:
                 return self._render(request, "error.html", {"error": str(exc)}, status=400)
+            except CelerySchedError as exc:
+                # A missing schema or a lost database: one line, not a traceback.
+                logger.warning("web console: %s: %s", type(exc).__name__, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                return self._render(request, "error.html", {"error": error}, status=503)
 
         return guarded
 
@@ -418,7 +423,7 @@ class Console:
             page = await run_in_threadpool(
                 self.client.list_jobs, query, after=after, limit=PAGE_SIZE
             )
-        except CelerySchedError as exc:  # a bad cursor
+        except InvalidCursor as exc:
             raise BadInput(str(exc)) from exc
         filters = {
             key: params.get(key, "")

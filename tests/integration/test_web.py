@@ -318,3 +318,12 @@ def test_a_non_loopback_bind_with_auth_answers_401_without_it(settings: Settings
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_a_missing_schema_is_a_one_line_503(settings: Settings) -> None:
+    with Client(cli_app.app, settings=settings) as client:  # never migrated
+        web = TestClient(create_app(client))
+        for path in PAGES:
+            answer = web.get(path)
+            assert answer.status_code == 503, path
+            assert "sched migrate" in answer.text and "Traceback" not in answer.text
