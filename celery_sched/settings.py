@@ -215,6 +215,12 @@ class Settings:
         "TCP port on which a worker's main process serves `/metrics` for its processes "
         "(prometheus_client multiprocess mode); 0 serves nothing.",
     )
+    web_auth: str = _field(
+        "",
+        "`user:password` the web console (`sched web`) asks for with HTTP Basic auth (compared "
+        "in constant time); empty asks for none, allowed only on a loopback bind or with "
+        "`--insecure`. `--auth` overrides it.",
+    )
     # Not a setting: where each value was read from (see ``origin``).
     _origins: Mapping[str, str] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -384,6 +390,9 @@ class Settings:
             + repr(
                 sanitize_url(value)
                 if field.name.endswith("_url") and isinstance(value, str)
+                # The console's password never reaches a log either.
+                else ("***" if value else "")
+                if field.name == "web_auth"
                 else value
             )
             for field in setting_fields()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import importlib.util
 import os
 import random
 import signal
@@ -58,6 +59,8 @@ JOB_COUNT = 100_000
 HORIZON = dt.timedelta(hours=24)
 SOON_COUNT = 3_000
 SOON_SPREAD = 10.0  # seconds over which the "soon" jobs fall due
+#: Where the web console (`sched web`) listens while the example runs.
+WEB_PORT = int(os.environ.get("EXAMPLE_WEB_PORT", "8808"))
 EXAMPLES = Path(__file__).resolve().parent
 
 
@@ -208,6 +211,10 @@ def run_beats_and_worker(client: Client, soon_count: int) -> None:
         start("beat-1", "beat", "-S", "celery_sched", "--loglevel=INFO", "-s", "/dev/null"),
         start("beat-2", "beat", "-S", "celery_sched", "--loglevel=INFO", "-s", "/dev/null"),
     ]
+    if importlib.util.find_spec("starlette") is not None:
+        # The web console over the same schema, for as long as the example runs.
+        procs.append(start("web", "sched", "web", "--bind", f"127.0.0.1:{WEB_PORT}"))
+        print(f"  web console: http://127.0.0.1:{WEB_PORT}/")
     try:
         start_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
         client.schedule_many(

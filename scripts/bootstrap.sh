@@ -32,9 +32,9 @@ fi
 wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]] ||
     ! "$VENV/bin/python" -c 'import celery_sched' 2>/dev/null; then
-    log "installing celery_sched[test,lint,bench,dev] into $VENV"
+    log "installing celery_sched[test,lint,bench,dev,web] into $VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -e '.[test,lint,bench,dev]'
+        -e '.[test,lint,bench,dev,web]'
     printf '%s\n' "$wanted" >"$STAMP"
 fi
 
@@ -87,5 +87,8 @@ if ! command -v prometheus >/dev/null 2>&1 && [[ ! -x /usr/bin/prometheus ]]; th
         log "WARNING: prometheus is not installed; the dashboard test will fail until it is"
     fi
 fi
+
+# The web console's browser test drives a real headless Chromium.
+bash "$ROOT/scripts/browser.sh"
 
 bash "$ROOT/scripts/services.sh"

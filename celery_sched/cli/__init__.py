@@ -14,6 +14,7 @@ from celery_sched.cli import (  # noqa: F401  (they register commands)
     reshard,
     schedules,
     transfer,
+    web,
 )
 from celery_sched.cli.base import sched
 

@@ -152,6 +152,9 @@ def build_metadata(schema: str) -> MetaData:
         jobs.c.id,
         postgresql_where=text("status = 'dead'"),
     )
+    # Every job in due order, for the jobs listings (web console, `sched
+    # jobs`) by keyset, whole or filtered by task or due range. (0010)
+    Index("jobs_due_idx", jobs.c.due_at, jobs.c.id)
     Index(
         "jobs_finished_idx",
         jobs.c.finished_at,

@@ -1,0 +1,61 @@
+"""``sched web``: serve the web console (:mod:`celery_sched.web`)."""
+
+from __future__ import annotations
+
+import click
+
+from celery_sched.cli.base import clean_errors, client_of, sched
+from celery_sched.errors import ConfigurationError
+
+
+def _split_bind(bind: str) -> tuple[str, int]:
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{bind!r} is not HOST:PORT (e.g. 127.0.0.1:8808)")
+    return host.strip("[]"), int(port)
+
+
+@sched.command()
+@click.option(
+    "--bind",
+    default="127.0.0.1:8808",
+    show_default=True,
+    help="HOST:PORT to serve on. Beyond loopback it needs --auth (or --insecure).",
+)
+@click.option(
+    "--auth",
+    default=None,
+    metavar="USER:PASSWORD",
+    help="HTTP Basic credentials to ask for (default: celery_sched_web_auth).",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Serve beyond loopback without auth: anyone who reaches it can steer jobs.",
+)
+@click.pass_context
+def web(ctx: click.Context, bind: str, auth: str | None, insecure: bool) -> None:
+    """Serve the web console: overview, schedules and jobs, over this app's settings."""
+    try:
+        import uvicorn
+
+        from celery_sched.web.app import Credentials, check_bind, create_app
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the web console needs the 'web' extra: pip install 'celery_sched[web]' ({exc})"
+        ) from exc
+    host, port = _split_bind(bind)
+    client = client_of(ctx)
+    with clean_errors(), client:
+        text = auth if auth is not None else client.settings.web_auth
+        credentials = Credentials.parse(text) if text else None
+        check_bind(host, auth=credentials, insecure=insecure)
+        if insecure and credentials is None:
+            click.echo("WARNING: serving the console without auth (--insecure)", err=True)
+        app = create_app(client, auth=credentials)
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"celery_sched web console on http://{shown}:{port}/", err=True)
+        try:
+            uvicorn.run(app, host=host, port=port, log_level="warning")
+        except OSError as exc:  # the port is taken
+            raise ConfigurationError(f"cannot serve on {bind}: {exc}") from exc
