@@ -17,7 +17,8 @@ import click
 
 from celery_sched.cli.base import clean_errors, client_of, echo_json, echo_table, sched, when
 from celery_sched.client import Client
-from celery_sched.models import REQUEUABLE_STATUSES, Job, JobPage, JobQuery, JobStatus
+from celery_sched.models import REQUEUABLE_STATUSES, JobPage, JobQuery, JobStatus
+from celery_sched.models.listing import job_fields
 
 #: Jobs per page unless ``--limit`` says otherwise, and the most it may say.
 DEFAULT_LIMIT = 50
@@ -47,39 +48,6 @@ class IsoTime(click.ParamType[dt.datetime]):
 
 
 ISO_TIME = IsoTime()
-
-
-def job_fields(job: Job) -> dict[str, Any]:
-    """Every stored field of ``job`` but its body, JSON-ready (see ``echo_json``)."""
-    return {
-        "id": str(job.id),
-        "key": job.key,
-        "task": job.task,
-        "status": job.status.value,
-        "due_at": job.due_at,
-        "due_bucket": job.due_bucket,
-        "expires_at": job.expires_at,
-        "attempt": job.attempt,
-        "max_attempts": job.max_attempts,
-        "shard": job.shard,
-        "schedule_id": job.schedule_id,
-        "leader_epoch": job.leader_epoch,
-        "visibility_timeout": job.visibility_timeout,
-        "max_runtime": job.max_runtime,
-        "created_at": job.created_at,
-        "dispatched_at": job.dispatched_at,
-        "started_at": job.started_at,
-        "finished_at": job.finished_at,
-        "worker": job.worker,
-        "worker_pid": job.worker_pid,
-        "last_error": job.last_error,
-        "argsrepr": job.argsrepr,
-        "kwargsrepr": job.kwargsrepr,
-        "options": dict(job.options),
-        "content_type": job.content_type,
-        "content_encoding": job.content_encoding,
-        "body_bytes": len(job.body),
-    }
 
 
 def _print_page(page: JobPage, *, as_json: bool, empty: str) -> None:

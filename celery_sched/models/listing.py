@@ -13,6 +13,7 @@ import binascii
 import dataclasses
 import datetime as dt
 import uuid
+from typing import Any
 
 from celery_sched.errors import InvalidCursor
 from celery_sched.models.checks import check_aware
@@ -186,3 +187,36 @@ class LeaderView:
     holder: str | None = None
     ttl: float | None = None
     report: LeaderReport | None = None
+
+
+def job_fields(job: Job) -> dict[str, Any]:
+    """Every stored field of ``job`` but its body, JSON-ready (see ``echo_json``)."""
+    return {
+        "id": str(job.id),
+        "key": job.key,
+        "task": job.task,
+        "status": job.status.value,
+        "due_at": job.due_at,
+        "due_bucket": job.due_bucket,
+        "expires_at": job.expires_at,
+        "attempt": job.attempt,
+        "max_attempts": job.max_attempts,
+        "shard": job.shard,
+        "schedule_id": job.schedule_id,
+        "leader_epoch": job.leader_epoch,
+        "visibility_timeout": job.visibility_timeout,
+        "max_runtime": job.max_runtime,
+        "created_at": job.created_at,
+        "dispatched_at": job.dispatched_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "worker": job.worker,
+        "worker_pid": job.worker_pid,
+        "last_error": job.last_error,
+        "argsrepr": job.argsrepr,
+        "kwargsrepr": job.kwargsrepr,
+        "options": dict(job.options),
+        "content_type": job.content_type,
+        "content_encoding": job.content_encoding,
+        "body_bytes": len(job.body),
+    }

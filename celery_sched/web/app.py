@@ -39,6 +39,7 @@ from celery_sched.models import (
     JobStatus,
     ScheduleInfo,
 )
+from celery_sched.models.listing import job_fields
 from celery_sched.web.words import bar_chart, cron_text, schedule_words
 
 logger = logging.getLogger(__name__)
@@ -125,29 +126,9 @@ def _lag(job: Job) -> float | None:
 
 
 def job_row(job: Job) -> dict[str, Any]:
-    """A job as the list and detail pages (and their JSON) show it."""
-    return {
-        "id": str(job.id),
-        "key": job.key,
-        "task": job.task,
-        "status": job.status.value,
-        "due_at": job.due_at,
-        "dispatched_at": job.dispatched_at,
-        "started_at": job.started_at,
-        "finished_at": job.finished_at,
-        "attempt": job.attempt,
-        "max_attempts": job.max_attempts,
-        "shard": job.shard,
-        "schedule_id": job.schedule_id,
-        "worker": job.worker,
-        "last_error": job.last_error,
-        "lag": _lag(job),
-        "argsrepr": job.argsrepr,
-        "kwargsrepr": job.kwargsrepr,
-        "options": dict(job.options),
-        "expires_at": job.expires_at,
-        "created_at": job.created_at,
-    }
+    """A job as the list and detail pages (and their JSON) show it: the
+    fields ``sched job --json`` prints, and its dispatch lag."""
+    return {**job_fields(job), "lag": _lag(job)}
 
 
 def schedule_row(info: ScheduleInfo) -> dict[str, Any]:
