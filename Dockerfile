@@ -11,11 +11,12 @@ WORKDIR /app
 
 # The package first, so editing the example does not reinstall dependencies.
 # The solar extra (ephem) because the example's beat_schedule has a solar
-# entry, which Celery refuses to build without it; flower for its service.
+# entry, which Celery refuses to build without it; web for the console
+# service (`celery -A proj sched web`); flower for its service.
 # tests/integration/test_image_env.py runs this very RUN line in a fresh venv.
 COPY pyproject.toml README.md ./
 COPY celery_sched ./celery_sched
-RUN pip install ".[solar]" "flower>=2.0"
+RUN pip install ".[solar,web]" "flower>=2.0"
 
 COPY examples ./examples
 # `celery -A proj` imports proj from the working directory.

@@ -31,6 +31,7 @@ from celery_sched.models import (
     JobQuery,
     JobStatus,
     LeaderView,
+    MinuteDispatches,
     NewJobRow,
     NewSchedule,
     PageCursor,
@@ -306,6 +307,17 @@ class Client:
     def counts_by_hour(self, status: JobStatus | None = None) -> dict[dt.datetime, int]:
         """Number of jobs per UTC hour of their due time."""
         return self.store.counts_by_hour(status)
+
+    def dispatches_by_minute(
+        self, *, since: dt.datetime, until: dt.datetime
+    ) -> dict[dt.datetime, MinuteDispatches]:
+        """Per UTC minute of due time in ``[since, until)``: the jobs due then
+        that were dispatched, and their mean dispatch lag in seconds."""
+        return self.store.dispatches_by_minute(since=since, until=until)
+
+    def recent_failures(self, limit: int = 10) -> list[Job]:
+        """The latest failed and dead jobs, the last to finish first."""
+        return self.store.recent_failures(limit=limit)
 
     # -- looking through jobs and steering them by hand ------------------------
 

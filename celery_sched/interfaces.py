@@ -37,6 +37,7 @@ from celery_sched.models import (
     LeaderView,
     LedgerClaim,
     LedgerEntry,
+    MinuteDispatches,
     NewJob,
     NewJobRow,
     NewSchedule,
@@ -143,6 +144,21 @@ class Jobs(StoreLifecycle):
 
         Cheap at any table size: it reads the first entry of the pending index.
         """
+
+    @abc.abstractmethod
+    def dispatches_by_minute(
+        self, *, since: dt.datetime, until: dt.datetime
+    ) -> dict[dt.datetime, MinuteDispatches]:
+        """Per UTC minute of ``due_at`` in ``[since, until)``: how many of
+        the jobs due then were dispatched and their mean
+        :func:`~celery_sched.models.dispatch_lag` (minutes with none are
+        omitted). One aggregate over the due range, read by the web
+        console's overview chart."""
+
+    @abc.abstractmethod
+    def recent_failures(self, *, limit: int) -> list[Job]:
+        """The ``failed`` and ``dead`` jobs, the latest to finish first, at
+        most ``limit``."""
 
     @abc.abstractmethod
     def list_jobs(

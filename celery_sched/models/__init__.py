@@ -44,8 +44,10 @@ from celery_sched.models.listing import (
     JobQuery,
     LeaderReport,
     LeaderView,
+    MinuteDispatches,
     PageCursor,
     RequeueResult,
+    dispatch_lag,
     requeued_allowance,
 )
 from celery_sched.models.rehoming import (
@@ -113,6 +115,7 @@ __all__ = [
     "LedgerClaim",
     "LedgerEntry",
     "LedgerState",
+    "MinuteDispatches",
     "MisfirePolicy",
     "NewJob",
     "NewJobRow",
@@ -138,6 +141,7 @@ __all__ = [
     "clean_text",
     "decode_body",
     "delivery_fence",
+    "dispatch_lag",
     "id_of_key",
     "jobs_from_rows",
     "misplaced",

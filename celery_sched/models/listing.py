@@ -28,6 +28,24 @@ REQUEUABLE_STATUSES = frozenset({JobStatus.DEAD, JobStatus.FAILED})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MinuteDispatches:
+    """The jobs due in one UTC minute that were dispatched, and their mean
+    dispatch lag (``dispatched_at - due_at``, never below 0) in seconds."""
+
+    count: int
+    mean_lag: float
+
+
+def dispatch_lag(job: Job) -> float | None:
+    """Seconds from ``job``'s due time to its dispatch (0 when sent early),
+    ``None`` when it is not dispatched, or waits for a retry (its
+    ``dispatched_at`` is then the retry's due time, not a send)."""
+    if job.dispatched_at is None or job.status is JobStatus.RETRYING:
+        return None
+    return max((job.dispatched_at - job.due_at).total_seconds(), 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class JobQuery:
     """Which jobs a listing shows, and in which order.
 

@@ -155,6 +155,13 @@ def build_metadata(schema: str) -> MetaData:
     # Every job in due order, for the jobs listings (web console, `sched
     # jobs`) by keyset, whole or filtered by task or due range. (0010)
     Index("jobs_due_idx", jobs.c.due_at, jobs.c.id)
+    # Failed and dead jobs by when they finished, newest first for the web
+    # console's recent failures; only failing rows enter it. (0011)
+    Index(
+        "jobs_failed_idx",
+        jobs.c.finished_at,
+        postgresql_where=text("status IN ('failed', 'dead')"),
+    )
     Index(
         "jobs_finished_idx",
         jobs.c.finished_at,

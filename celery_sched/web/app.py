@@ -38,6 +38,7 @@ from celery_sched.models import (
     JobQuery,
     JobStatus,
     ScheduleInfo,
+    dispatch_lag,
 )
 from celery_sched.models.listing import job_fields
 from celery_sched.web.words import bar_chart, cron_text, schedule_words
@@ -48,10 +49,6 @@ CSRF_COOKIE = "celery_sched_csrf"
 CSRF_FIELD = "csrf"
 #: Jobs per page of the jobs list (one more row is read to know if a next page exists).
 PAGE_SIZE = 50
-#: At most this many jobs of the last hour are read for the overview's chart:
-#: a bound on the page's cost when millions ran in the hour (the chart then
-#: shows the soonest-due ones only, and says so).
-CHART_SAMPLE = 5000
 _EDITABLE_KINDS = frozenset({"crontab", "interval"})
 _TEMPLATES = Path(__file__).parent / "templates"
 
@@ -119,16 +116,10 @@ def _when(value: dt.datetime | None) -> str:
     return "—" if value is None else value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _lag(job: Job) -> float | None:
-    if job.dispatched_at is None or job.status is JobStatus.RETRYING:
-        return None
-    return max((job.dispatched_at - job.due_at).total_seconds(), 0.0)
-
-
 def job_row(job: Job) -> dict[str, Any]:
     """A job as the list and detail pages (and their JSON) show it: the
     fields ``sched job --json`` prints, and its dispatch lag."""
-    return {**job_fields(job), "lag": _lag(job)}
+    return {**job_fields(job), "lag": dispatch_lag(job)}
 
 
 def schedule_row(info: ScheduleInfo) -> dict[str, Any]:
@@ -308,45 +299,29 @@ class Console:
                 "due_at": backlog_job.due_at,
                 "behind": (now - backlog_job.due_at).total_seconds(),
             }
-        per_minute, sampled = self._last_hour(now)
-        failures = client.list_jobs(
-            JobQuery(statuses=REQUEUABLE_STATUSES, newest=True, due_before=now), limit=10
-        )
+        per_minute = self._last_hour(now)
+        failures = client.recent_failures(limit=10)
         return {
             "leaders": leaders,
             "counts": counts,
             "total": sum(counts.values()),
             "backlog": backlog,
             "per_minute": per_minute,
-            "chart_sampled": sampled,
-            "failures": [job_row(job) for job in failures.jobs],
+            "failures": [job_row(job) for job in failures],
             "now": now,
         }
 
-    def _last_hour(self, now: dt.datetime) -> tuple[list[tuple[dt.datetime, int, float]], bool]:
-        """Per minute of the last hour: jobs dispatched (by due minute) and
-        their mean dispatch lag; and whether CHART_SAMPLE cut the read short."""
+    def _last_hour(self, now: dt.datetime) -> list[tuple[dt.datetime, int, float]]:
+        """Per minute of the last hour: the jobs due then that were
+        dispatched, and their mean dispatch lag (one aggregate in the store,
+        whatever the hour's volume)."""
         start = (now - dt.timedelta(hours=1)).replace(second=0, microsecond=0)
-        query = JobQuery(due_after=start, due_before=now)
-        buckets: dict[dt.datetime, list[float]] = {
-            start + dt.timedelta(minutes=i): [] for i in range(61)
-        }
-        seen = 0
-        cursor = None
-        while seen < CHART_SAMPLE:
-            page = self.client.list_jobs(query, after=cursor, limit=1000)
-            for job in page.jobs:
-                lag = _lag(job)
-                minute = job.due_at.replace(second=0, microsecond=0)
-                if lag is not None and minute in buckets:
-                    buckets[minute].append(lag)
-            seen += len(page.jobs)
-            if page.next is None:
-                return [
-                    (at, len(v), sum(v) / len(v) if v else 0.0) for at, v in buckets.items()
-                ], False
-            cursor = page.next
-        return [(at, len(v), sum(v) / len(v) if v else 0.0) for at, v in buckets.items()], True
+        found = self.client.dispatches_by_minute(since=start, until=now)
+        minutes = (start + dt.timedelta(minutes=i) for i in range(61))
+        return [
+            (at, found[at].count, found[at].mean_lag) if at in found else (at, 0, 0.0)
+            for at in minutes
+        ]
 
     async def schedules(self, request: Request) -> Response:
         infos = await run_in_threadpool(self.client.schedules.list)
@@ -384,7 +359,7 @@ class Console:
         if info is None:
             return None
         runs = self.client.schedules.history(name, limit=50)
-        points = [(job.due_at, _lag(job) or 0.0) for job in reversed(runs)]
+        points = [(job.due_at, dispatch_lag(job) or 0.0) for job in reversed(runs)]
         return {"schedule": schedule_row(info), "runs": [job_row(job) for job in runs]}, points
 
     async def jobs(self, request: Request) -> Response:
@@ -500,11 +475,20 @@ class Console:
                     errors["schedule"] = f"{text!r} is not a number of seconds"
             else:
                 changes["schedule"] = text
-        for field in ("timezone", "misfire", "overlap"):
+        for field in ("timezone", "overlap"):
             value = fields.get(field, "").strip()
             if value:
                 changes[field] = value
+        # The form's "(default)" choice is an empty value: the project's
+        # default policy again (stored as NULL); a form without the field
+        # leaves the policy alone.
+        if "misfire" in fields:
+            misfire = fields["misfire"].strip() or None
+            if misfire != info.misfire:
+                changes["misfire"] = misfire
         for field, value in changes.items():
+            if value is None:
+                continue  # a policy back to its default: nothing to check
             try:
                 manager.check({**current, field: value}, check_task=False)
             except (CelerySchedError, ValueError) as exc:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 
 import pytest
@@ -216,3 +217,75 @@ def test_dead_jobs_list_in_due_order(store: JobStore) -> None:
     assert all(job is not None for job in jobs)
     order = [(job.due_at, job.id.bytes) for job in jobs if job is not None]
     assert order == sorted(order)
+
+
+# -- the web console's overview -------------------------------------------------------
+
+
+def test_dispatches_by_minute_counts_sent_jobs_per_due_minute_with_their_mean_lag(
+    store: JobStore,
+) -> None:
+    now = store.now()
+    minute = (now - 10 * MINUTE).replace(second=0, microsecond=0)
+    later = minute + 2 * MINUTE
+    sent = {
+        "a": minute + dt.timedelta(seconds=5),
+        "b": minute + dt.timedelta(seconds=40),
+        "c": later + dt.timedelta(seconds=1),
+    }
+    for key, due in sent.items():
+        store.add_job(new_job(key, due))
+    epoch = store.acquire_epoch(0, "test")
+    claimed = store.claim_due(shard=0, epoch=epoch, limit=100)
+    assert sorted(job.key for job in claimed) == ["a", "b", "c"]
+    dispatched_at = {job.key: job.dispatched_at for job in claimed}
+    # Not dispatched (pending, future; cancelled) or outside the window: not counted.
+    store.add_job(new_job("pending", store.now() + 5 * MINUTE))
+    store.add_job(new_job("cancelled", store.now() + 6 * MINUTE))
+    store.cancel("cancelled")
+
+    found = store.dispatches_by_minute(since=minute, until=now + 10 * MINUTE)
+
+    assert sorted(found) == [minute, later]
+    for at in found:
+        assert at.utcoffset() == dt.timedelta(0)
+    assert found[minute].count == 2 and found[later].count == 1
+
+    def lag(key: str) -> float:
+        sent_at = dispatched_at[key]
+        assert sent_at is not None
+        return (sent_at - sent[key]).total_seconds()
+
+    assert found[minute].mean_lag == pytest.approx((lag("a") + lag("b")) / 2, abs=1e-3)
+    assert found[later].mean_lag == pytest.approx(lag("c"), abs=1e-3)
+    # The window is half-open and filters by due time.
+    assert sorted(store.dispatches_by_minute(since=minute, until=later)) == [minute]
+    assert store.dispatches_by_minute(since=later + MINUTE, until=now) == {}
+
+
+def test_recent_failures_are_failed_and_dead_jobs_the_latest_finished_first(
+    store: JobStore,
+) -> None:
+    start = base(store)
+    # Due order is the opposite of the order they fail in.
+    for i, key in enumerate(["f3", "f2", "f1"]):
+        store.add_job(new_job(key, start - i * MINUTE))
+    store.add_job(new_job("ok", start))
+    for key in ["f1", "f2"]:
+        job = store.get(key)
+        assert job is not None
+        assert store.mark_running(job.id, worker="w") is True
+        assert store.mark_finished(job.id, JobStatus.FAILED) is True
+        time.sleep(0.01)  # finished_at tells them apart on any clock
+    kill(store, "d1")
+    time.sleep(0.01)
+    job = store.get("f3")
+    assert job is not None and store.mark_running(job.id, worker="w")
+    assert store.mark_finished(job.id, JobStatus.FAILED) is True
+    ok = store.get("ok")
+    assert ok is not None and store.mark_running(ok.id, worker="w")
+    assert store.mark_finished(ok.id, JobStatus.SUCCEEDED) is True
+
+    assert [job.key for job in store.recent_failures(limit=10)] == ["f3", "d1", "f2", "f1"]
+    assert [job.key for job in store.recent_failures(limit=2)] == ["f3", "d1"]
+    assert store.recent_failures(limit=0) == []

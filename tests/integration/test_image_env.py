@@ -13,12 +13,15 @@ and pass once it leads.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,6 +212,25 @@ def metrics(port: int) -> str:
     return text
 
 
+def authorized(url: str, auth: tuple[str, str] | None) -> urllib.request.Request:
+    request = urllib.request.Request(url)
+    if auth is not None:
+        token = base64.b64encode(":".join(auth).encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    return request
+
+
+def web_status(url: str, auth: tuple[str, str] | None) -> int | None:
+    """The console's HTTP status for ``url`` (``None``: nothing answers yet)."""
+    try:
+        with urllib.request.urlopen(authorized(url, auth), timeout=5) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
 def healthcheck(image: Image, test: list[str], env: dict[str, str]) -> int:
     assert test[0] == "CMD", test
     return subprocess.run(
@@ -279,5 +301,30 @@ def test_the_image_environment_imports_the_example_and_runs_a_leading_beat(
         )
     assert kinds["sunrise-lights"] == "solar", kinds
     assert {"cleanup", "nightly-report", "launch", "proj.periodic.heartbeat"} <= set(kinds)
+
+    # The console service: the image has the web extra, and the compose
+    # command (its port swapped for a free one) serves the schedules to
+    # the credentials compose gives it, and to no one else.
+    console_service = services["console"]
+    words = list(console_service["command"])
+    host = words[words.index("--bind") + 1].rsplit(":", 1)[0]
+    web_port = free_port()
+    words[words.index("--bind") + 1] = f"{host}:{web_port}"
+    console_env = {**env, "CELERY_SCHED_WEB_AUTH": "ops:s3cret"}
+    console = image.start("console", words, console_env, tmp_path / "console.log")
+    try:
+        url = f"http://127.0.0.1:{web_port}/schedules?format=json"
+        wait_for(
+            lambda: web_status(url, None) == 401,
+            timeout=60,
+            interval=0.5,
+            what=f"the console to answer\n{console.tail()}",
+        )
+        assert web_status(url, ("ops", "wrong")) == 401
+        with urllib.request.urlopen(authorized(url, ("ops", "s3cret")), timeout=5) as reply:
+            names = {entry["name"] for entry in json.load(reply)["schedules"]}
+        assert "sunrise-lights" in names, names
+    finally:
+        console.stop()
     # An unprivileged user runs the image: nothing may be written under /app.
     assert files_under(image.root) == before

@@ -60,6 +60,22 @@ def seed(client: Client) -> None:
     make_dead(client, ["dead-1", "dead-2"])
 
 
+def test_recent_failures_list_the_latest_to_finish_first(client: Client, web: TestClient) -> None:
+    make_dead(client, ["dead-1", "dead-2"])
+    # Due before the dead jobs, failed after them: first on the overview.
+    client.schedule_many(
+        [{"task": "cli_app.ping", "eta": client.store.now() - dt.timedelta(hours=2), "key": "late"}]
+    )
+    job = client.store.get("late")
+    assert job is not None
+    assert client.store.mark_running(job.id, worker="w@test")
+    assert client.store.mark_finished(job.id, JobStatus.FAILED, error="boom")
+    failures = web.get("/", params={"format": "json"}).json()["failures"]
+    assert len(failures) == 3 and failures[0]["key"] == "late"
+    assert {row["key"] for row in failures[1:]} == {"dead-1", "dead-2"}
+    assert failures[0]["last_error"] == "boom"
+
+
 @pytest.mark.parametrize("path", PAGES)
 def test_every_page_answers_on_an_empty_database(web: TestClient, path: str) -> None:
     html = web.get(path)
@@ -76,9 +92,21 @@ def test_every_page_shows_the_data(client: Client, web: TestClient) -> None:
     overview = web.get("/", params={"format": "json"}).json()
     assert overview["counts"]["pending"] >= 120
     assert overview["counts"]["dead"] == 2
-    assert [job["key"] for job in overview["failures"]] == ["dead-2", "dead-1"] or {
-        job["key"] for job in overview["failures"]
-    } == {"dead-1", "dead-2"}
+    assert {job["key"] for job in overview["failures"]} == {"dead-1", "dead-2"}
+    # The chart: two jobs dispatched about 10 minutes after they were due,
+    # in the same due minute of the last hour (the dead jobs' dispatch was
+    # undone when they were given up on).
+    due = (client.store.now() - dt.timedelta(minutes=10)).replace(second=5, microsecond=0)
+    client.schedule_many(
+        {"task": "cli_app.ping", "eta": due + dt.timedelta(seconds=i), "key": f"sent-{i}"}
+        for i in range(2)
+    )
+    epoch = client.store.acquire_epoch(0, "test leader")
+    assert len(client.store.claim_due(shard=0, epoch=epoch, limit=10)) == 2
+    per_minute = web.get("/", params={"format": "json"}).json()["per_minute"]
+    assert len(per_minute) == 61
+    sent = [(count, lag) for _, count, lag in per_minute if count]
+    assert len(sent) == 1 and sent[0][0] == 2 and 590 < sent[0][1] < 700, sent
     assert len(overview["leaders"]) == client.settings.shards
     assert "<svg" in web.get("/").text
 
@@ -163,6 +191,18 @@ def test_schedule_actions_change_the_database_as_the_api(client: Client, web: Te
     assert info is not None
     assert (info.spec["minute"], info.spec["hour"], info.timezone) == ("30", "8", "UTC")
     assert (info.misfire, info.overlap) == ("skip", "skip")
+
+    # "(default)" puts the misfire policy back to the project's default (NULL).
+    reset = web.post(
+        "/actions/edit",
+        data={"csrf": token, "name": name, "misfire": "", "overlap": "allow"},
+    )
+    assert reset.status_code == 200, reset.text
+    info = client.schedules.get(name)
+    assert info is not None
+    assert (info.misfire, info.overlap, info.timezone) == (None, "allow", "UTC")
+    row = client.store.get_schedule(name)
+    assert row is not None and row.misfire is None
 
     kept = web.post("/actions/delete", data={"csrf": token, "name": name, "confirm": "wrong"})
     assert kept.status_code == 400 and client.schedules.get(name) is not None

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-CELERY_SERVICES = ("migrate", "worker", "beat", "flower")
+CELERY_SERVICES = ("migrate", "worker", "beat", "flower", "console")
 
 
 def _compose() -> dict[str, Any]:
@@ -58,7 +58,7 @@ def test_compose_runs_two_beats_after_migration() -> None:
     assert beat["command"][:6] == ["celery", "-A", "proj", "beat", "-S", "celery_sched"]
     assert services["migrate"]["command"] == ["celery", "-A", "proj", "sched", "migrate"]
     assert services["migrate"]["restart"] == "no"
-    for name in ("worker", "beat"):
+    for name in ("worker", "beat", "console"):
         needs = services[name]["depends_on"]
         assert needs["migrate"]["condition"] == "service_completed_successfully", name
         for backing in ("postgres", "redis", "rabbitmq"):
@@ -82,6 +82,16 @@ def test_compose_beats_and_workers_serve_metrics_that_prometheus_scrapes() -> No
     }
     # Every replica by its service name (compose's DNS answers with all of them).
     assert scraped == {("beat", beat_port), ("worker", worker_port)}
+
+
+def test_compose_console_asks_for_credentials_and_stays_on_the_hosts_loopback() -> None:
+    console = _compose()["services"]["console"]
+    assert console["command"][:5] == ["celery", "-A", "proj", "sched", "web"]
+    # Bound beyond loopback inside its container, so auth is configured ...
+    assert "--insecure" not in console["command"]
+    assert console["environment"]["CELERY_SCHED_WEB_AUTH"].startswith("${CELERY_SCHED_WEB_AUTH")
+    # ... and published to the host's loopback only.
+    assert console["ports"] == ["127.0.0.1:8808:8808"]
 
 
 def test_compose_configures_every_celery_service() -> None:

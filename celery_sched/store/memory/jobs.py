@@ -19,6 +19,7 @@ from celery_sched.models import (
     JobQuery,
     JobStatus,
     LedgerState,
+    MinuteDispatches,
     NewJob,
     PageCursor,
     ReconcileResult,
@@ -26,6 +27,7 @@ from celery_sched.models import (
     RehomeRow,
     RequeueResult,
     check_rehome,
+    dispatch_lag,
     misplaced,
     requeued_allowance,
 )
@@ -135,6 +137,32 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                 ),
                 default=None,
             )
+
+    def dispatches_by_minute(
+        self, *, since: dt.datetime, until: dt.datetime
+    ) -> dict[dt.datetime, MinuteDispatches]:
+        since, until = ensure_utc(since, name="since"), ensure_utc(until, name="until")
+        lags: dict[dt.datetime, list[float]] = {}
+        with self._lock:
+            for job in self._jobs.values():
+                lag = dispatch_lag(job)
+                if lag is not None and since <= job.due_at < until:
+                    minute = job.due_at.replace(second=0, microsecond=0)
+                    lags.setdefault(minute, []).append(lag)
+        return {
+            minute: MinuteDispatches(count=len(values), mean_lag=sum(values) / len(values))
+            for minute, values in lags.items()
+        }
+
+    def recent_failures(self, *, limit: int) -> list[Job]:
+        with self._lock:
+            failed = [
+                job
+                for job in self._jobs.values()
+                if job.status in REQUEUABLE_STATUSES and job.finished_at is not None
+            ]
+        failed.sort(key=lambda job: (job.finished_at, job.id.bytes), reverse=True)
+        return failed[: max(limit, 0)]
 
     def list_jobs(
         self, query: JobQuery, *, after: PageCursor | None = None, limit: int

@@ -25,6 +25,7 @@ from celery_sched.models import (
     Job,
     JobQuery,
     JobStatus,
+    MinuteDispatches,
     NewJob,
     NewJobRow,
     PageCursor,
@@ -270,6 +271,31 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             ).scalar_one_or_none(),
         )
         return None if due is None else ensure_utc(due)
+
+    def dispatches_by_minute(
+        self, *, since: dt.datetime, until: dt.datetime
+    ) -> dict[dt.datetime, MinuteDispatches]:
+        params = {
+            "p_since": ensure_utc(since, name="since"),
+            "p_until": ensure_utc(until, name="until"),
+        }
+        rows = self.database.transaction(
+            "dispatches_by_minute",
+            lambda conn: conn.execute(self._listing.dispatches_by_minute, params).all(),
+        )
+        return {
+            ensure_utc(minute): MinuteDispatches(count=count, mean_lag=float(lag))
+            for minute, count, lag in rows
+        }
+
+    def recent_failures(self, *, limit: int) -> list[Job]:
+        if limit <= 0:
+            return []
+        rows = self.database.transaction(
+            "recent_failures",
+            lambda conn: conn.execute(self._listing.recent_failures, {"p_limit": limit}).all(),
+        )
+        return [job_of(row) for row in rows]
 
     def list_jobs(
         self, query: JobQuery, *, after: PageCursor | None = None, limit: int

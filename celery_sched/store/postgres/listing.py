@@ -169,6 +169,32 @@ class Listing:
             )
         )
 
+        # -- the web console's overview --
+        # A range of jobs_due_idx: the jobs due in the window, whatever their
+        # status, grouped by due minute.
+        minute = func.date_trunc("minute", c.due_at, "UTC")
+        lag = func.greatest(func.extract("epoch", c.dispatched_at - c.due_at), 0)
+        self.dispatches_by_minute = (
+            select(minute, func.count(), func.avg(lag))
+            .where(
+                c.due_at >= bindparam("p_since"),
+                c.due_at < bindparam("p_until"),
+                c.dispatched_at.is_not(None),
+                c.status != status_literal(JobStatus.RETRYING),
+            )
+            .group_by(minute)
+        )
+        # jobs_failed_idx read backwards (0011): only failing rows are in it.
+        self.recent_failures = (
+            select(*self.columns)
+            .where(
+                c.status.in_([status_literal(s) for s in sorted(REQUEUABLE_STATUSES)]),
+                c.finished_at.is_not(None),
+            )
+            .order_by(c.finished_at.desc(), c.id.desc())
+            .limit(bindparam("p_limit"))
+        )
+
     # -- listing --------------------------------------------------------------
 
     def conditions(
