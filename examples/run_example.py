@@ -31,12 +31,14 @@ import argparse
 import contextlib
 import datetime as dt
 import importlib.util
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=JOB_COUNT, help="jobs over the next 24 h")
     parser.add_argument("--soon", type=int, default=SOON_COUNT, help="jobs due within seconds")
     parser.add_argument(
+        "--keep-console",
+        action="store_true",
+        help="at the end, keep the web console (and the beats and worker) up until Ctrl-C",
+    )
+    parser.add_argument(
         "--dev-data-dir",
         type=Path,
         default=EXAMPLES / ".celery_sched-dev",
@@ -146,10 +153,10 @@ def main() -> None:
     if args.jobs < 0 or args.soon < 1:
         parser.error("--jobs must be >= 0 and --soon >= 1")
     with services(args.dev_data_dir):
-        run(args.jobs, args.soon)
+        run(args.jobs, args.soon, keep_console=args.keep_console)
 
 
-def run(job_count: int, soon_count: int) -> None:
+def run(job_count: int, soon_count: int, *, keep_console: bool = False) -> None:
     # Settings come from app.conf (or CELERY_SCHED_* environment variables).
     app.conf.celery_sched_db_schema = SCHEMA
     app.conf.celery_sched_key_prefix = SCHEMA
@@ -185,7 +192,7 @@ def run(job_count: int, soon_count: int) -> None:
         for hour, count in sorted(client.counts_by_hour().items()):
             print(f"  {hour:%Y-%m-%d %H:00}  {count:>6,}")
 
-        run_beats_and_worker(client, soon_count)
+        run_beats_and_worker(client, soon_count, keep_console=keep_console)
 
 
 def start(name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -204,14 +211,46 @@ def start(name: str, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
-def run_beats_and_worker(client: Client, soon_count: int) -> None:
+def read_console(path: str, timeout: float = 30.0) -> dict[str, Any]:
+    """A page of the example's web console as JSON (``?format=json``),
+    waiting up to ``timeout`` for the console to answer."""
+    url = f"http://127.0.0.1:{WEB_PORT}{path}?format=json"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                page: dict[str, Any] = json.load(reply)
+                return page
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"the web console at {url} did not answer ({exc}); see examples/.web.log"
+                ) from exc
+            time.sleep(0.5)
+
+
+def show_console() -> None:
+    """What the web console says about the run: the same numbers, over HTTP."""
+    overview = read_console("/")
+    schedules = read_console("/schedules")["schedules"]
+    leaders = [row for row in overview["leaders"] if row["holder"]]
+    sent = sum(count for _, count, _ in overview["per_minute"])
+    print(
+        f"\nthe web console at http://127.0.0.1:{WEB_PORT}/ answers: "
+        f"{overview['total']:,} jobs, {len(leaders)} shard leader(s), "
+        f"{sent:,} dispatched in the last hour, {len(schedules)} schedules"
+    )
+
+
+def run_beats_and_worker(client: Client, soon_count: int, *, keep_console: bool = False) -> None:
     print(f"\nstarting two beats and a worker, then scheduling {soon_count:,} jobs:")
     procs = [
         start("worker", "worker", "--pool=threads", "--concurrency=8", "--loglevel=INFO"),
         start("beat-1", "beat", "-S", "celery_sched", "--loglevel=INFO", "-s", "/dev/null"),
         start("beat-2", "beat", "-S", "celery_sched", "--loglevel=INFO", "-s", "/dev/null"),
     ]
-    if importlib.util.find_spec("starlette") is not None:
+    console = importlib.util.find_spec("starlette") is not None
+    if console:
         # The web console over the same schema, for as long as the example runs.
         procs.append(start("web", "sched", "web", "--bind", f"127.0.0.1:{WEB_PORT}"))
         print(f"  web console: http://127.0.0.1:{WEB_PORT}/")
@@ -238,6 +277,12 @@ def run_beats_and_worker(client: Client, soon_count: int) -> None:
         else:
             raise SystemExit("the jobs did not all run within 3 minutes; see examples/.*.log")
         show_periodic(client)
+        if console:
+            show_console()
+            if keep_console:
+                print("the console, beats and worker stay up; Ctrl-C stops them.")
+                with contextlib.suppress(KeyboardInterrupt):
+                    signal.pause()
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
