@@ -118,6 +118,12 @@ class StoreError(CelerySchedError):
     """The job store failed."""
 
 
+class MissingPartition(StoreError):
+    """No partition of ``jobs`` holds a row's due time (one was dropped or
+    its creation rolled back since the store last read the list): the
+    store reads the list again and retries the write once."""
+
+
 class StoreUnavailable(StoreError):
     """The job store (PostgreSQL) cannot be reached."""
 

@@ -391,10 +391,20 @@ class Jobs(StoreLifecycle):
     # -- housekeeping -------------------------------------------------------
 
     @abc.abstractmethod
+    def prepare_storage(self) -> None:
+        """Storage upkeep ahead of the inserts, run by shard 0's leader each
+        housekeeping round: PostgreSQL creates the ``jobs`` partitions of
+        today and the next days, so the day's first inserts never wait for
+        DDL (an insert creates a missing partition itself otherwise)."""
+
+    @abc.abstractmethod
     def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
         """Delete finished jobs whose finished_at is more than ``older_than``
         seconds ago, ``batch`` rows per transaction, at most ``max_batches``
-        transactions (None: until none is left); return the total."""
+        transactions (None: until none is left); return the total.
+
+        PostgreSQL first drops each partition whose every job finished
+        before then (whole, with its keys), then deletes in batches."""
 
 
 class WorkerReports(StoreLifecycle):

@@ -276,10 +276,10 @@ class JobBuilder:
                     "for the occurrences of periodic schedules; choose another key"
                 )
             key_id = id_of_key(key)
-            if key_id is None:
-                job_id = self._ids.next()
-            else:
-                job_id, key = key_id, None
+            # A caller's key that is a UUID's text becomes the id, and the
+            # row keeps the key too: the bulk load then knows the id is the
+            # caller's, not generated, and checks that no job has it (0012).
+            job_id = self._ids.next() if key_id is None else key_id
 
         if self._shards == 1:
             shard = 0

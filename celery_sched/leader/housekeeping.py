@@ -1,4 +1,5 @@
-"""Housekeeping: pruning finished jobs, completed ledger entries and old heartbeats.
+"""Housekeeping: the storage's upkeep (the days ahead's partitions), pruning
+finished jobs, completed ledger entries and old heartbeats.
 
 One bounded batch of each per interval, so a large backlog (after a long
 stop, or a retention just lowered) is worked off gradually and never stalls
@@ -52,6 +53,7 @@ class Housekeeper:
         if settings.engine_shard != 0:
             return
         try:
+            self._store.prepare_storage()
             if settings.retention > 0:
                 self._stats.pruned_jobs += self._store.prune(
                     older_than=settings.retention, batch=settings.prune_batch, max_batches=1

@@ -18,6 +18,7 @@ from celery_sched.models.jobs import (
     JOB_FIELDS,
     MESSAGE_OPTIONS,
     NEW_JOB_ROW,
+    SENT_DUE_MARGIN,
     Job,
     JobStatus,
     NewJob,
@@ -26,6 +27,7 @@ from celery_sched.models.jobs import (
     decode_body,
     id_of_key,
     jobs_from_rows,
+    sendable,
 )
 from celery_sched.models.leases import Lease
 from celery_sched.models.ledger import (
@@ -101,6 +103,7 @@ __all__ = [
     "REQUEUABLE_STATUSES",
     "SCHEDULE_KINDS",
     "SCHEDULE_SOURCES",
+    "SENT_DUE_MARGIN",
     "UNFINISHED_STATUSES",
     "WORKER_STATUSES",
     "ClaimOutcome",
@@ -146,4 +149,5 @@ __all__ = [
     "jobs_from_rows",
     "misplaced",
     "requeued_allowance",
+    "sendable",
 ]

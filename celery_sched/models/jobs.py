@@ -44,6 +44,21 @@ class JobStatus(enum.StrEnum):
         return self in FINISHED_STATUSES
 
 
+#: How far past now a job a worker reports on (or a leader releases by id)
+#: may be due. Such a job was due when it was claimed (a requeue by hand
+#: makes it due now), so its due time is at most now and the day is a
+#: margin; a report about a job due later is about no job a worker can hold,
+#: and is ignored. On PostgreSQL the bound lets each statement by id skip
+#: the partitions of later days (issue #17).
+SENT_DUE_MARGIN = dt.timedelta(days=1)
+
+
+def sendable(job: Job, now: dt.datetime) -> bool:
+    """Whether ``job`` is due early enough for a worker to hold it (see
+    :data:`SENT_DUE_MARGIN`)."""
+    return job.due_at <= now + SENT_DUE_MARGIN
+
+
 FINISHED_STATUSES = frozenset(
     {
         JobStatus.SUCCEEDED,
@@ -224,8 +239,10 @@ class NewJob:
 #: a fraction of a frozen dataclass, and the store writes it unchanged.
 #: ``due_bucket`` must equal ``to_bucket(due_at)``; ``options`` is a mapping
 #: that nobody mutates (:data:`EMPTY_OPTIONS` when there are none). ``key``
-#: is None when the key is the id's text (``str(id)``), as for every job
-#: scheduled without a key: the bulk path never formats it.
+#: is None for every job scheduled without a key (its key is its generated
+#: id's text, which the bulk path never formats); a caller's key that is a
+#: UUID's text is the id and is kept here too, so that the bulk load knows
+#: the id is the caller's and checks that no job has it.
 NEW_JOB_ROW: tuple[str, ...] = (
     "id",
     "key",

@@ -33,13 +33,16 @@ from celery_sched.models import JobStatus, MisfirePolicy, OverlapPolicy
 #: Status values allowed by the ``jobs.status`` CHECK constraint.
 STATUS_VALUES = tuple(status.value for status in JobStatus)
 
-#: Storage parameters of the ``jobs`` table. Every job row is updated several
-#: times (pending -> dispatched -> running -> finished) and then deleted, so
-#: the table churns constantly: a fillfactor below 100 leaves room on each page
-#: for the new row versions, and autovacuum must run after a small fraction
-#: of the table changed (the default 20% of a 10M-row table is far too late:
-#: dead index entries in the partial pending index slow every claim) and be
-#: allowed to do more work per round than the conservative default.
+#: Storage parameters of each partition of the ``jobs`` table (a
+#: partitioned table has no storage of its own: they are given to every
+#: partition as it is created, see ``store/postgres/partitioning.py``).
+#: Every job row is updated several times (pending -> dispatched ->
+#: running -> finished) and then deleted, so the table churns constantly:
+#: a fillfactor below 100 leaves room on each page for the new row
+#: versions, and autovacuum must run after a small fraction of the table
+#: changed (the default 20% of a 10M-row table is far too late: dead index
+#: entries in the partial pending index slow every claim) and be allowed to
+#: do more work per round than the conservative default.
 JOBS_STORAGE = {
     "fillfactor": "80",
     "autovacuum_vacuum_scale_factor": "0.01",
@@ -52,11 +55,14 @@ JOBS_STORAGE = {
 SCHEDULE_KINDS = ("crontab", "interval", "solar", "clocked", "custom")
 
 
-def _ts(name: str, *, nullable: bool = True, now_default: bool = False) -> Column[object]:
+def _ts(
+    name: str, *, nullable: bool = True, now_default: bool = False, primary_key: bool = False
+) -> Column[object]:
     return Column(
         name,
         DateTime(timezone=True),
         nullable=nullable,
+        primary_key=primary_key,
         server_default=text("now()") if now_default else None,
     )
 
@@ -66,10 +72,18 @@ def build_metadata(schema: str) -> MetaData:
     metadata = MetaData(schema=schema)
 
     status_list = ", ".join(f"'{value}'" for value in STATUS_VALUES)
+    # Range-partitioned by due time (0012): a partition per UTC day near now,
+    # per month or year further away (store/partitions.py), created before
+    # the first row that needs it; retention drops whole finished partitions.
+    # A unique index of a partitioned table must hold the partition key, so
+    # the primary key is (id, due_at) and global key uniqueness lives in
+    # job_keys below.
     jobs = Table(
         "jobs",
         metadata,
-        # The id is also the Celery task id, so the caller chooses it.
+        # The id is also the Celery task id. Ids are generated (time-ordered
+        # v7, unique by construction) unless the caller's key is a UUID's
+        # text, and such a key is kept in job_keys like any other.
         Column("id", Uuid(as_uuid=True), primary_key=True),
         # NULL when the key is the job's id (every job scheduled without a
         # key): readers present id::text, and the primary key keeps such keys
@@ -83,7 +97,7 @@ def build_metadata(schema: str) -> MetaData:
         Column("argsrepr", Text, nullable=False, server_default=text("''")),
         Column("kwargsrepr", Text, nullable=False, server_default=text("''")),
         Column("options", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-        _ts("due_at", nullable=False),
+        _ts("due_at", nullable=False, primary_key=True),
         Column("due_bucket", Integer, nullable=False),
         _ts("expires_at"),
         Column("status", Text, nullable=False, server_default=text("'pending'")),
@@ -106,7 +120,7 @@ def build_metadata(schema: str) -> MetaData:
         # the rescuer matches it against that process's heartbeat. (0004)
         Column("worker_pid", Integer, nullable=True),
         CheckConstraint(f"status IN ({status_list})", name="jobs_status_check"),
-        postgresql_with=JOBS_STORAGE,
+        postgresql_partition_by="RANGE (due_at)",
     )
     # The hot path: claims scan "pending, this shard, bucket <= now" in due
     # order. Partial, so dispatched and finished rows drop out of it and the
@@ -118,10 +132,11 @@ def build_metadata(schema: str) -> MetaData:
         jobs.c.due_at,
         postgresql_where=text("status = 'pending'"),
     )
+    # Finds a job by its caller-chosen key in each partition; job_keys makes
+    # the key unique across them. (0012: was the unique jobs_key_key)
     Index(
-        "jobs_key_key",
+        "jobs_key_idx",
         jobs.c.key,
-        unique=True,
         postgresql_where=text("key IS NOT NULL"),
     )
     Index(
@@ -180,6 +195,19 @@ def build_metadata(schema: str) -> MetaData:
         jobs.c.schedule_id,
         jobs.c.due_at,
         postgresql_where=text("schedule_id IS NOT NULL"),
+    )
+
+    # Every caller-chosen key of a stored job (a key that is a UUID's text
+    # too), unique across the partitions of jobs: each insert path writes
+    # the key here in the same transaction, before the job, and a taken key
+    # is a conflict here. Generated ids are unique by construction and take
+    # no entry. The row goes when its job is deleted (prune, withdrawn
+    # occurrences) or its partition dropped. (0012)
+    Table(
+        "job_keys",
+        metadata,
+        Column("key", Text, primary_key=True),
+        Column("job_id", Uuid(as_uuid=True), nullable=False),
     )
 
     kind_list = ", ".join(f"'{kind}'" for kind in SCHEDULE_KINDS)

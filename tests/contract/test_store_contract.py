@@ -11,7 +11,7 @@ import pytest
 
 from celery_sched.errors import DuplicateJob, StaleEpoch
 from celery_sched.interfaces import JobStore
-from celery_sched.models import Job, JobStatus, NewJob
+from celery_sched.models import SENT_DUE_MARGIN, Job, JobStatus, NewJob, WorkerUpdate
 from celery_sched.timeutil import to_bucket
 from tests.contract.conftest import new_job, tracked
 
@@ -630,11 +630,30 @@ def test_worker_transitions(store: JobStore) -> None:
 
 def test_worker_may_start_a_pending_job_and_finish_it(store: JobStore) -> None:
     # A broker redelivery after a reconciler requeue reaches a worker while
-    # the row is pending again.
-    job = store.add_job(new_job("p", future(store)))
+    # the row is pending again (its due time past, as when it was claimed).
+    job = store.add_job(new_job("p", past(store, 60)))
     assert store.mark_running(job.id, worker="w") is True
     assert store.mark_finished(job.id, JobStatus.SUCCEEDED) is True
     assert status_of(store, "p") is JobStatus.SUCCEEDED
+
+
+def test_reports_about_a_job_due_beyond_the_margin_are_ignored(store: JobStore) -> None:
+    # No worker can hold a job due later than SENT_DUE_MARGIN from now: it
+    # was never claimed. Its reports change nothing (on PostgreSQL the
+    # statements by id do not even look in the partitions of those days).
+    later = store.add_job(new_job("later", store.now() + SENT_DUE_MARGIN + HOUR))
+    assert store.mark_running(later.id, worker="w") is False
+    assert store.mark_finished(later.id, JobStatus.SUCCEEDED) is False
+    assert (
+        store.apply_worker_updates(
+            [WorkerUpdate(job_id=later.id, status=JobStatus.RUNNING, worker="w")]
+        )
+        == 0
+    )
+    assert status_of(store, "later") is JobStatus.PENDING
+    # Within the margin (a clock a little ahead), it is.
+    soon = store.add_job(new_job("soon", store.now() + HOUR))
+    assert store.mark_running(soon.id, worker="w") is True
 
 
 def test_mark_finished_refuses_unfinished_status(store: JobStore) -> None:
@@ -672,8 +691,8 @@ def test_prune_deletes_old_finished_jobs_in_batches(store: JobStore) -> None:
         store.add_job(new_job(f"done-{i}", due))
         store.cancel(f"done-{i}")
     store.add_job(new_job("pending", due))
-    running = store.add_job(new_job("running", due))
-    store.mark_running(running.id, worker="w")
+    running = store.add_job(new_job("running", past(store, 60)))
+    assert store.mark_running(running.id, worker="w") is True
     assert store.prune(older_than=3600, batch=3) == 0
     time.sleep(0.05)
 

@@ -266,11 +266,12 @@ def test_dispatches_by_minute_counts_sent_jobs_per_due_minute_with_their_mean_la
 def test_recent_failures_are_failed_and_dead_jobs_the_latest_finished_first(
     store: JobStore,
 ) -> None:
-    start = base(store)
-    # Due order is the opposite of the order they fail in.
+    start = store.now() - 30 * MINUTE  # due already, as jobs a worker ran are
+    # Due order is the opposite of the order they fail in; shard 1, so
+    # that kill() claims on shard 0 only its own job.
     for i, key in enumerate(["f3", "f2", "f1"]):
-        store.add_job(new_job(key, start - i * MINUTE))
-    store.add_job(new_job("ok", start))
+        store.add_job(new_job(key, start - i * MINUTE, shard=1))
+    store.add_job(new_job("ok", start, shard=1))
     for key in ["f1", "f2"]:
         job = store.get(key)
         assert job is not None

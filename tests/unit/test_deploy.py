@@ -64,10 +64,12 @@ def test_every_copy_of_the_dockerfile_finds_its_source_in_the_context() -> None:
             assert source in context, f"COPY {source}: excluded by .dockerignore"
 
 
-def test_the_image_installs_the_solar_extra_the_example_needs() -> None:
+def test_the_image_installs_the_extras_the_example_and_the_console_need() -> None:
     runs = [args for keyword, args in instructions(ROOT / "Dockerfile") if keyword == "RUN"]
     (pip,) = [run for run in runs if run.startswith("pip install")]
-    assert '".[solar]"' in pip, pip
+    match = re.search(r'"\.\[([a-z,]+)\]"', pip)
+    assert match is not None, pip
+    assert {"solar", "web"} <= set(match.group(1).split(",")), pip
     assert "solar(" in (ROOT / "examples" / "proj" / "celery_app.py").read_text()
 
 

@@ -30,6 +30,7 @@ from celery_sched.models import (
     dispatch_lag,
     misplaced,
     requeued_allowance,
+    sendable,
 )
 from celery_sched.store.memory.base import MemoryStoreBase
 from celery_sched.timeutil import ensure_utc, to_bucket
@@ -92,6 +93,8 @@ class MemoryJobs(MemoryStoreBase, Jobs):
         (``None`` when it did not)."""
         with self._lock:
             job = self._jobs.get(job_id)
+            if job is not None and not sendable(job, self.now()):
+                job = None  # not a job any delivery can be of
             if (
                 job is None
                 or attempt is None
@@ -601,6 +604,9 @@ class MemoryJobs(MemoryStoreBase, Jobs):
         return entry is not None and entry.state == LedgerState.COMPLETED and entry.job_id == job.id
 
     # -- housekeeping -------------------------------------------------------
+
+    def prepare_storage(self) -> None:
+        """Nothing to prepare: the memory store has no partitions."""
 
     def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
         if batch < 1:

@@ -8,7 +8,14 @@ import uuid
 from collections.abc import Sequence
 
 from celery_sched.interfaces import WorkerReports
-from celery_sched.models import FINISHED_STATUSES, JobStatus, WorkerUpdate, check_retry_in
+from celery_sched.models import (
+    FINISHED_STATUSES,
+    Job,
+    JobStatus,
+    WorkerUpdate,
+    check_retry_in,
+    sendable,
+)
 from celery_sched.store.memory.base import MemoryStoreBase
 
 _CLAIMABLE_BY_WORKER = frozenset({JobStatus.DISPATCHED, JobStatus.RETRYING, JobStatus.PENDING})
@@ -16,6 +23,11 @@ _CLAIMABLE_BY_WORKER = frozenset({JobStatus.DISPATCHED, JobStatus.RETRYING, JobS
 
 class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
     """:class:`~celery_sched.interfaces.WorkerReports` in memory."""
+
+    def _sent(self, job_id: uuid.UUID) -> Job | None:
+        """The job ``job_id`` if a worker can hold it (:func:`~celery_sched.models.sendable`)."""
+        job = self._jobs.get(job_id)
+        return job if job is not None and sendable(job, self.now()) else None
 
     def heartbeat(
         self,
@@ -36,7 +48,7 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
         self, job_id: uuid.UUID, *, worker: str, worker_pid: int | None = None
     ) -> bool:
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._sent(job_id)
             if job is None:
                 return False
             # Taken over by an older copy (see adopt_delivery): named now.
@@ -53,7 +65,7 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
             return True
 
     def _lost(self, update: WorkerUpdate) -> bool:
-        job = self._jobs.get(update.job_id)
+        job = self._sent(update.job_id)
         if (
             job is None
             or job.status not in (JobStatus.DISPATCHED, JobStatus.RUNNING)
@@ -71,7 +83,7 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
         if not status.finished:
             raise ValueError(f"mark_finished needs a finished status, got {status.value!r}")
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._sent(job_id)
             if job is None or job.status in FINISHED_STATUSES:
                 return False
             self._update(job, status=status, finished_at=self.now(), last_error=error)
@@ -82,7 +94,7 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
     ) -> bool:
         delay = dt.timedelta(seconds=check_retry_in(retry_in) or 0.0)
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._sent(job_id)
             if job is None or job.status != JobStatus.RUNNING:
                 return False
             self._update(

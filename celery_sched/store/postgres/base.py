@@ -13,6 +13,8 @@ from sqlalchemy.engine import Engine
 from celery_sched.interfaces import StoreLifecycle
 from celery_sched.settings import Settings
 from celery_sched.store.postgres.connection import Database
+from celery_sched.store.postgres.keys import JobKeys
+from celery_sched.store.postgres.partitioning import Partitions
 from celery_sched.store.postgres.statements import Statements
 from celery_sched.timeutil import ensure_utc
 
@@ -35,6 +37,10 @@ class PostgresStoreBase(StoreLifecycle):
     def __init__(self, settings: Settings) -> None:
         self.database = Database(settings)
         self.statements = Statements(settings.db_schema)
+        #: The jobs table's partitions (created before the rows that need them).
+        self.partitions = Partitions(self.database)
+        #: Caller-chosen keys, unique across the partitions.
+        self.job_keys = JobKeys(self.statements.tables)
 
     @property
     def settings(self) -> Settings:
@@ -66,6 +72,7 @@ class PostgresStoreBase(StoreLifecycle):
                 command.upgrade(config, "head")
 
         self.database.retry(run, "migrate")
+        self.partitions.forget()
         logger.info("celery_sched schema %r is up to date", schema)
 
     def close(self) -> None:

@@ -7,6 +7,8 @@ schedules) need; the rows come as tuples already in column order.
 
 from __future__ import annotations
 
+import datetime as dt
+import itertools
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -19,13 +21,18 @@ from psycopg.types.string import BytesBinaryDumper
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection
 
+from celery_sched.errors import DuplicateJob
 from celery_sched.models import NEW_JOB_ROW, NewJobRow
 from celery_sched.store.postgres.connection import Database, is_transient
+from celery_sched.store.postgres.keys import key_entry
+from celery_sched.store.postgres.partitioning import Partitions
 
 logger = logging.getLogger(__name__)
 
 #: Bulk loads of at least this many rows refresh the table's statistics.
 ANALYZE_AFTER_ROWS = 10_000
+#: Rows per COPY of a bulk load (see :class:`JobCopy`).
+COPY_CHUNK = 50_000
 
 # The columns COPY writes, in order, with their binary COPY types. The rest
 # (status, attempt, created_at, ...) take their server defaults.
@@ -49,6 +56,10 @@ COPY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("max_runtime", "float8"),
 )
 assert tuple(name for name, _ in COPY_COLUMNS) == NEW_JOB_ROW
+_DUE = NEW_JOB_ROW.index("due_at")
+_UUID_TEXT = 36
+#: The ``job_keys`` columns a bulk load writes, with their binary COPY types.
+KEY_COPY_COLUMNS: tuple[tuple[str, str], ...] = (("key", "text"), ("job_id", "uuid"))
 
 #: The columns a new schedule row is written with (COPY), with their binary
 #: COPY types. The rest (id, paused, version, timestamps) take their defaults.
@@ -100,14 +111,29 @@ class _OptionsDumper(Dumper):
 
 
 class JobCopy:
-    """COPY of new job rows into one schema's ``jobs`` table."""
+    """COPY of new job rows into one schema's ``jobs`` table, and of their
+    caller-chosen keys into ``job_keys``.
 
-    def __init__(self, database: Database) -> None:
+    The rows come from an iterator read once, and a partition must exist
+    before COPY routes a row to it; so they are sent in chunks of
+    :data:`COPY_CHUNK`: each chunk's due span is checked against the known
+    partitions (free in the common case), the missing ones are created in
+    the load's own transaction (its next COPY sees them), then the chunk is
+    copied, and its keys after it. One transaction: all or nothing.
+    """
+
+    def __init__(self, database: Database, partitions: Partitions) -> None:
         self._database = database
+        self._partitions = partitions
         schema = database.schema
+        self.schema = schema
         self.sql = copy_sql(f'"{schema}".jobs', COPY_COLUMNS)
-        self.analyze_sql = f'ANALYZE "{schema}".jobs'
+        self.keys_sql = copy_sql(f'"{schema}".job_keys', KEY_COPY_COLUMNS)
         self.types = [kind for _, kind in COPY_COLUMNS]
+        self.twice_sql = (
+            f'SELECT id FROM "{schema}".jobs WHERE id = ANY(%s) GROUP BY id HAVING count(*) > 1 '
+            "LIMIT 1"
+        )
 
     def write(self, rows: Iterable[NewJobRow]) -> int:
         """COPY ``rows`` (``NEW_JOB_ROW`` tuples, keys as stored) in one
@@ -116,9 +142,13 @@ class JobCopy:
         # Only checking out a connection is retried: once COPY has consumed
         # part of a (possibly one-shot) iterator, it cannot be replayed.
         conn = db.retry(lambda: db.engine.connect(), "load_jobs")
+        count = 0
+        spans: list[tuple[dt.datetime, dt.datetime]] = []
         try:
             with conn.begin():
                 raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+                # What another process created or dropped since the last load.
+                self._partitions.forget()
                 with raw.cursor() as cur:
                     # A bulk load lasts as long as the caller's input takes to
                     # produce, so the per-statement timeout does not fit it; a
@@ -130,33 +160,83 @@ class JobCopy:
                         "set_config('lock_timeout', %s, true)",
                         (lock_ms,),
                     )
-                    count = 0
                     cur.adapters.register_dumper(None, _OptionsDumper)
                     # By type oid, bytea maps to psycopg's DB-API dumper, a
                     # Python subclass; the plain bytes dumper runs in C.
                     cur.adapters.register_dumper(None, BytesBinaryDumper)
-                    with cur.copy(self.sql) as copy:
-                        copy.set_types(self.types)
-                        write_row = copy.write_row
-                        for row in rows:
-                            write_row(row)
-                            count += 1
+                    source = iter(rows)
+                    while chunk := list(itertools.islice(source, COPY_CHUNK)):
+                        dues = [row[_DUE] for row in chunk]
+                        span = (min(dues), max(dues))
+                        self._partitions.ensure_span(conn, *span, dues)
+                        self._copy_chunk(cur, chunk)
+                        spans.append(span)
+                        count += len(chunk)
         except (sa_exc.SQLAlchemyError, psycopg.Error) as exc:
+            self._partitions.forget()
             raw_conn = conn.connection.driver_connection if not conn.closed else None
             if isinstance(raw_conn, psycopg.Connection) and raw_conn.closed:
                 conn.invalidate()
             if is_transient(exc):
                 raise db.unavailable(exc) from exc
             raise db.translate(exc, "load_jobs") from exc
+        except BaseException:
+            self._partitions.forget()
+            raise
         finally:
             conn.close()
         logger.debug("inserted %d jobs with COPY", count)
         if count >= ANALYZE_AFTER_ROWS:
-            # Fresh statistics after a bulk load keep the planner on the
-            # indexes the claims were written for; ANALYZE samples a fixed
-            # number of rows, so this costs well under a second at any size.
-            db.transaction("analyze", lambda c: c.exec_driver_sql(self.analyze_sql))
+            self._analyze(spans)
         return count
+
+    def _copy_chunk(self, cur: psycopg.Cursor[Any], chunk: list[NewJobRow]) -> None:
+        with cur.copy(self.sql) as copy:
+            copy.set_types(self.types)
+            write_row = copy.write_row
+            for row in chunk:
+                write_row(row)
+        keys = [(entry, row[0]) for row in chunk if (entry := key_entry(row[1], row[0]))]
+        if keys:
+            # A key taken before (or twice in the load) fails the load here.
+            with cur.copy(self.keys_sql) as copy:
+                copy.set_types([kind for _, kind in KEY_COPY_COLUMNS])
+                write_row = copy.write_row
+                for pair in keys:
+                    write_row(pair)
+        # Ids a caller chose (a key that is a UUID's text): no other job,
+        # due any day, may have them; a generated id takes no entry of its
+        # own, so it is looked up in every partition.
+        chosen = [
+            row[0]
+            for row in chunk
+            if row[1] is not None and len(row[1]) == _UUID_TEXT and row[1] == str(row[0])
+        ]
+        if chosen:
+            cur.execute(self.twice_sql, (chosen,))
+            twice = cur.fetchone()
+            if twice is not None:
+                raise DuplicateJob(key=str(twice[0]))
+
+    def _analyze(self, spans: list[tuple[dt.datetime, dt.datetime]]) -> None:
+        """Fresh statistics for the partitions the load wrote to, which keep
+        the planner on the indexes the claims were written for (ANALYZE
+        samples a fixed number of rows, so each costs well under a second;
+        the other partitions did not change)."""
+        touched = sorted(
+            {
+                rng.name
+                for rng in self._partitions.known()
+                for low, high in spans
+                if rng.lower <= high and low < rng.upper
+            }
+        )
+        for name in touched:
+
+            def analyze(conn: Connection, name: str = name) -> None:
+                conn.exec_driver_sql(f'ANALYZE "{self.schema}"."{name}"')
+
+            self._database.transaction("analyze", analyze)
 
 
 def copy_schedule_rows(conn: Connection, sql: str, rows: Sequence[dict[str, Any]]) -> None:

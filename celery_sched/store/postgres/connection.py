@@ -52,6 +52,7 @@ from sqlalchemy.engine import Connection, Engine
 from celery_sched.errors import (
     CelerySchedError,
     DuplicateJob,
+    MissingPartition,
     SchemaMissing,
     StoreError,
     StoreUnavailable,
@@ -71,7 +72,13 @@ DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
 #: Hot-path pools inherited over a fork (see :meth:`Database.hot_pool`).
 _INHERITED: list[Any] = []
 
-_UNIQUE_DETAIL = re.compile(r"Key \((?P<column>\w+)\)=\((?P<value>.*)\) already exists", re.S)
+#: A unique violation's detail: one column, or the primary key of jobs,
+#: (id, due_at), whose first value (a UUID) holds no comma.
+_UNIQUE_DETAIL = re.compile(
+    r"Key \((?:(?P<column>\w+)\)=\((?P<value>.*)"
+    r"|(?P<first>\w+), \w+\)=\((?P<first_value>[^,]*), .*)\) already exists",
+    re.S,
+)
 
 
 class TransientDatabaseError(Exception):
@@ -438,12 +445,18 @@ class Database:
         if isinstance(orig, psycopg.errors.UniqueViolation):
             detail = orig.diag.message_detail or ""
             match = _UNIQUE_DETAIL.search(detail)
+            column = match and (match["column"] or match["first"])
+            value = match and (match["value"] or match["first_value"])
             # A key that is an id is taken when the id is (primary key).
-            if match and match["column"] in ("key", "id"):
-                return DuplicateJob(key=match["value"])
+            if column in ("key", "id"):
+                return DuplicateJob(key=value)
             if match:
-                return DuplicateJob(f"a job with {match['column']} {match['value']} already exists")
+                return DuplicateJob(f"a job with {column} {value} already exists")
             return DuplicateJob(f"duplicate job: {detail or _first_line(exc)}")
+        if isinstance(orig, psycopg.errors.CheckViolation) and "no partition of relation" in str(
+            orig
+        ):
+            return MissingPartition(f"{what}: {_first_line(exc)}")
         if isinstance(orig, psycopg.errors.UndefinedTable | psycopg.errors.InvalidSchemaName):
             return SchemaMissing(
                 f"celery_sched schema {self.schema!r} is missing or out of date in "

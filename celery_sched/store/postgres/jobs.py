@@ -13,13 +13,13 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Row, Select, bindparam, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 
-from celery_sched.errors import DuplicateJob, StaleEpoch, StoreError
+from celery_sched.errors import DuplicateJob, MissingPartition, StaleEpoch, StoreError
 from celery_sched.interfaces import Jobs
 from celery_sched.models import (
     Job,
@@ -42,6 +42,7 @@ from celery_sched.settings import Settings
 from celery_sched.store.postgres.base import PostgresStoreBase
 from celery_sched.store.postgres.bulk import JobCopy
 from celery_sched.store.postgres.connection import RawStatement, raw_cursor
+from celery_sched.store.postgres.keys import entry_of, stored_key
 from celery_sched.store.postgres.listing import (
     CODE_POINT_COLLATIONS,
     Listing,
@@ -52,14 +53,20 @@ from celery_sched.store.postgres.listing import (
 )
 from celery_sched.store.postgres.statements import (
     PENDING,
+    ROW_ADDRESS,
     Tables,
     job_columns,
     key_matches,
+    same_row,
     seconds_param,
 )
 from celery_sched.timeutil import ensure_utc, to_bucket
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_NOW = select(func.now())
 
 #: Rows per multi-row INSERT in add_occurrences (keeps the statement under
 #: Postgres's 65535 bind parameter limit).
@@ -128,13 +135,24 @@ class JobQueries:
         )
 
         # -- housekeeping --
+        # By row address, as claims: an id alone would be looked up in
+        # every partition. The deleted jobs' keys go with them.
         prunable = (
-            select(c.id)
+            select(*ROW_ADDRESS, c.due_at)
             .where(c.finished_at < now - seconds_param("older_than"))
             .limit(bindparam("batch"))
             .with_for_update(skip_locked=True)
+            .subquery("prunable")
         )
-        self.prune = delete(jobs).where(c.id.in_(prunable.scalar_subquery()))
+        pruned = delete(jobs).where(*same_row(jobs, prunable)).returning(c.key, c.id).cte("pruned")
+        job_keys = tables.job_keys
+        released = (
+            delete(job_keys)
+            .where(job_keys.c.key == entry_of(pruned), job_keys.c.job_id == pruned.c.id)
+            .returning(job_keys.c.key)
+            .cte("released")
+        )
+        self.prune = select(func.count()).select_from(pruned).add_cte(released)
 
 
 class PostgresJobs(PostgresStoreBase, Jobs):
@@ -143,7 +161,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self._jq = JobQueries(self.statements.tables)
-        self._copy = JobCopy(self.database)
+        self._copy = JobCopy(self.database, self.partitions)
         self._claim_due = RawStatement(self.statements.claim_due)
         self._claim_ids = RawStatement(self.statements.claim_ids)
         self._listing = Listing(self.statements.tables.jobs)
@@ -170,16 +188,20 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         attempts = 0
 
         def write(conn: Connection) -> Job:
+            self.partitions.ensure(conn, [job.due_at])
             if if_exists == "return":
                 # A racing delete of the existing row could leave nothing to
                 # return; try the insert again in that case.
                 for _ in range(3):
-                    row = conn.execute(self._jq.insert_or_nothing, values).first()
+                    free = self.job_keys.is_free(conn, job, or_raise=False)
+                    row = conn.execute(self._jq.insert_or_nothing, values).first() if free else None
                     if row is None:
                         row = conn.execute(self._jq.get_by_key, key_params(job.key)).first()
                     if row is not None:
                         return job_of(row)
                 raise StoreError(f"could not insert or read job {job.key!r}")
+            if not self.job_keys.is_free(conn, job, or_raise=True):
+                raise DuplicateJob(key=job.key)
             return job_of(conn.execute(self._jq.insert, values).one())
 
         def in_transaction() -> Job:
@@ -190,7 +212,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             nonlocal attempts
             attempts += 1
             try:
-                return db.guard(in_transaction, "add_job")
+                return self._with_partitions(lambda: db.guard(in_transaction, "add_job"))
             except DuplicateJob:
                 # A retry after a lost commit acknowledgement finds our own
                 # row (same id): that is success, not a duplicate.
@@ -215,19 +237,38 @@ class PostgresJobs(PostgresStoreBase, Jobs):
     def add_occurrences(self, jobs: Sequence[NewJob]) -> list[uuid.UUID]:
         if not jobs:
             return []
-        rows = [row_values(job) for job in jobs]
         table = self.statements.tables.jobs
 
         def write(conn: Connection) -> list[uuid.UUID]:
+            self.partitions.ensure(conn, (job.due_at for job in jobs))
             written: list[uuid.UUID] = []
-            for start in range(0, len(rows), OCCURRENCE_CHUNK):
-                stmt = skip_taken_keys(
-                    pg_insert(table).values(rows[start : start + OCCURRENCE_CHUNK])
-                ).returning(table.c.id)
+            for start in range(0, len(jobs), OCCURRENCE_CHUNK):
+                chunk = self.job_keys.free_jobs(conn, jobs[start : start + OCCURRENCE_CHUNK])
+                if not chunk:
+                    continue
+                stmt = (
+                    pg_insert(table)
+                    .values([row_values(job) for job in chunk])
+                    .on_conflict_do_nothing()
+                    .returning(table.c.id)
+                )
                 written.extend(conn.execute(stmt).scalars())
             return written
 
-        return self.database.transaction("add_occurrences", write)
+        return self._with_partitions(lambda: self.database.transaction("add_occurrences", write))
+
+    def _ensure_now(self, conn: Connection) -> None:
+        """The partition of now, where a job requeued by hand moves (due now)."""
+        self.partitions.ensure(conn, [conn.execute(_NOW).scalar_one()])
+
+    def _with_partitions(self, write: Callable[[], T]) -> T:
+        """Run ``write``; once more after reading the partition list again
+        should a partition it counted on be gone (:class:`MissingPartition`)."""
+        try:
+            return write()
+        except MissingPartition:
+            self.partitions.forget()
+            return write()
 
     # -- reading ------------------------------------------------------------
 
@@ -333,13 +374,14 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         params: dict[str, Any] = {**key_arrays(wanted), "p_allowance": allowance}
 
         def run(conn: Connection) -> RequeueResult:
+            self._ensure_now(conn)
             moved = [job_of(row) for row in conn.execute(self._listing.requeue_keys, params)]
             statuses: dict[str, str] = {
                 key: status for key, status in conn.execute(self._listing.statuses_of_keys, params)
             }
             return requeue_result(wanted, moved, statuses)
 
-        result = self.database.transaction("requeue", run)
+        result = self._with_partitions(lambda: self.database.transaction("requeue", run))
         if result.requeued:
             logger.info("requeued %d jobs by hand", len(result.requeued))
         return result
@@ -363,9 +405,12 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         if task is not None:
             params["p_task"] = task
         stmt = self._listing.requeue_dead(task)
-        moved = self.database.transaction(
-            "requeue_dead", lambda conn: [job_of(row) for row in conn.execute(stmt, params)]
-        )
+
+        def run(conn: Connection) -> list[Job]:
+            self._ensure_now(conn)
+            return [job_of(row) for row in conn.execute(stmt, params)]
+
+        moved = self._with_partitions(lambda: self.database.transaction("requeue_dead", run))
         return sorted(moved, key=lambda job: (job.due_at, job.id.bytes))
 
     # -- leadership fencing -------------------------------------------------
@@ -657,14 +702,33 @@ class PostgresJobs(PostgresStoreBase, Jobs):
 
     # -- housekeeping -------------------------------------------------------
 
+    def prepare_storage(self) -> None:
+        self.partitions.create_ahead(self.now())
+
+    def ensure_partitions(self, due_times: Iterable[dt.datetime]) -> None:
+        """Create the partitions that hold every due time from the earliest
+        to the latest of ``due_times``: for rows written around the store
+        (benchmarks and tools loading with SQL of their own)."""
+        times = sorted(due_times)
+        if not times:
+            return
+        days = (times[-1] - times[0]).days + 1
+        span = [times[0] + dt.timedelta(days=i) for i in range(days)] + [times[-1]]
+        self.database.transaction(
+            "ensure_partitions", lambda conn: self.partitions.ensure(conn, span)
+        )
+
     def prune(self, *, older_than: float, batch: int, max_batches: int | None = None) -> int:
         if batch < 1:
             raise ValueError("prune batch must be at least 1")
-        total = 0
+        # Whole partitions first: a day whose every job finished long ago
+        # goes with one DROP (no row-by-row WAL, no dead tuples to vacuum).
+        total = sum(rows for _, rows in self.partitions.drop_finished(older_than=older_than))
+        params = {"older_than": older_than, "batch": batch}
         for _ in itertools.repeat(None) if max_batches is None else range(max_batches):
             # One transaction per batch keeps locks and WAL bursts small.
-            deleted = self.database.rowcount(
-                "prune", self._jq.prune, {"older_than": older_than, "batch": batch}
+            deleted: int = self.database.transaction(
+                "prune", lambda conn: conn.execute(self._jq.prune, params).scalar_one()
             )
             total += deleted
             if deleted < batch:
@@ -736,19 +800,6 @@ def _sort_due(jobs: list[Job]) -> list[Job]:
 def job_of(row: Row[Any]) -> Job:
     """The :class:`Job` of a row read with :func:`~.statements.job_columns`."""
     return Job(**row._mapping)
-
-
-def stored_key(job: NewJob) -> str | None:
-    """What ``jobs.key`` holds for ``job``: None when the key is its id's text
-    (``NewJob`` guarantees that a key which is a UUID's text is its id)."""
-    return None if id_of_key(job.key) is not None else job.key
-
-
-def skip_taken_keys(stmt: Any) -> Any:
-    """``stmt`` (an INSERT into jobs) skipping rows whose caller-chosen key is
-    taken: the conflict target is the partial unique index ``jobs_key_key``."""
-    key = stmt.table.c.key
-    return stmt.on_conflict_do_nothing(index_elements=[key], index_where=key.is_not(None))
 
 
 def _stored_row(job: NewJob) -> NewJobRow:

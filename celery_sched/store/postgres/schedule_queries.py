@@ -40,7 +40,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from celery_sched.models import UNFINISHED_STATUSES
 from celery_sched.store.postgres.bulk import COPY_COLUMNS, SCHEDULE_COPY_COLUMNS, copy_sql
-from celery_sched.store.postgres.jobs import skip_taken_keys
+from celery_sched.store.postgres.keys import entry_of
 from celery_sched.store.postgres.statements import PENDING, Tables, job_columns, text_array
 
 #: What a user defines (the static sync compares these); the first four
@@ -228,8 +228,11 @@ class ScheduleQueries:
                 for name, kind in OCCURRENCE_ARRAYS
             )
         ).subquery("u")
-        self.add_occurrences = skip_taken_keys(
-            pg_insert(jobs).from_select(
+        # The occurrences whose keys were free (JobKeys.free_jobs): the
+        # conflict left to skip is a row written twice by a retried commit.
+        self.add_occurrences = (
+            pg_insert(jobs)
+            .from_select(
                 [name for name, _ in OCCURRENCE_ARRAYS],
                 select(
                     *(
@@ -240,18 +243,30 @@ class ScheduleQueries:
                     )
                 ),
             )
-        ).returning(jobs.c.id, jobs.c.due_at, jobs.c.shard)
+            .on_conflict_do_nothing()
+            .returning(jobs.c.id, jobs.c.due_at, jobs.c.shard)
+        )
 
         # -- changes --
-        self.withdraw = (
+        withdrawn = (
             delete(jobs)
             .where(
                 jobs.c.schedule_id == any_(ids),
                 jobs.c.status == PENDING,
                 jobs.c.due_at > now,
             )
-            .returning(jobs.c.schedule_id, jobs.c.due_at)
+            .returning(jobs.c.schedule_id, jobs.c.due_at, jobs.c.key, jobs.c.id)
+            .cte("withdrawn")
         )
+        # Their occurrence keys are free again (planned anew on resume).
+        job_keys = tables.job_keys
+        released = (
+            delete(job_keys)
+            .where(job_keys.c.key == entry_of(withdrawn), job_keys.c.job_id == withdrawn.c.id)
+            .returning(job_keys.c.key)
+            .cte("released")
+        )
+        self.withdraw = select(withdrawn.c.schedule_id, withdrawn.c.due_at).add_cte(released)
         self.roll_back = (
             update(s)
             .where(s.c.id == bindparam("p_id"))

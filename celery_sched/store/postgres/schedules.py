@@ -14,7 +14,13 @@ from sqlalchemy import BigInteger, Row, any_, bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
-from celery_sched.errors import DuplicateJob, InvalidSchedule, ScheduleExists, UnknownSchedule
+from celery_sched.errors import (
+    DuplicateJob,
+    InvalidSchedule,
+    MissingPartition,
+    ScheduleExists,
+    UnknownSchedule,
+)
 from celery_sched.interfaces import ScheduleStore
 from celery_sched.models import (
     Job,
@@ -35,8 +41,8 @@ from celery_sched.store.postgres.jobs import (
     job_of,
     key_params,
     row_values,
-    stored_key,
 )
+from celery_sched.store.postgres.keys import stored_key
 from celery_sched.store.postgres.schedule_queries import (
     DEFINITION_COLUMNS,
     UNBROKEN,
@@ -217,12 +223,23 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
                 raise UnknownSchedule(f"schedule {job.schedule_id} no longer exists")
             if skip_if_busy and conn.execute(self._sq.running, {"ids": [job.schedule_id]}).first():
                 return None
-            row = conn.execute(self._insert_or_nothing, values).first()
+            self.partitions.ensure(conn, [job.due_at])
+            free = (
+                values["key"] is None
+                or conn.execute(
+                    self.job_keys.take_if_free, {"p_key": values["key"], "p_id": job.id}
+                ).first()
+            )
+            row = conn.execute(self._insert_or_nothing, values).first() if free else None
             if row is None:
                 row = conn.execute(self._get_by_key, key_params(job.key)).one()
             return job_of(row)
 
-        return self.database.transaction("trigger_occurrence", write)
+        try:
+            return self.database.transaction("trigger_occurrence", write)
+        except MissingPartition:
+            self.partitions.forget()
+            return self.database.transaction("trigger_occurrence", write)
 
     def sync_static_schedules(self, schedules: Sequence[NewSchedule]) -> SyncResult:
         rows = [_schedule_values(schedule) for schedule in schedules]
@@ -318,13 +335,21 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
                     continue
                 jobs.extend(advance.occurrences)
             written: list[tuple[uuid.UUID, dt.datetime, int]] = []
+            self.partitions.ensure(conn, (job.due_at for job in jobs))
             for start in range(0, len(jobs), OCCURRENCE_CHUNK):
-                chunk = _occurrence_arrays(jobs[start : start + OCCURRENCE_CHUNK])
+                free = self.job_keys.free_jobs(conn, jobs[start : start + OCCURRENCE_CHUNK])
+                if not free:
+                    continue
+                chunk = _occurrence_arrays(free)
                 result = conn.execute(self._sq.add_occurrences, chunk)
                 written.extend((job_id, ensure_utc(due), shard) for job_id, due, shard in result)
             return PlanCommit(written=written, stale=len(ordered) - len(applied), busy=busy)
 
-        return self.database.transaction("commit_plans", write)
+        try:
+            return self.database.transaction("commit_plans", write)
+        except MissingPartition:
+            self.partitions.forget()
+            return self.database.transaction("commit_plans", write)
 
     def mark_schedule_broken(self, schedule_id: int, *, version: int, reason: str) -> bool:
         marked = self.database.rowcount(

@@ -61,6 +61,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.elements import ColumnElement
 
+from celery_sched import models
 from celery_sched.models import (
     ADOPTABLE_STATUSES,
     FENCED_STATUSES,
@@ -83,8 +84,14 @@ RETRYING: ColumnElement[str] = literal_column("'retrying'")
 LEDGER_RUNNING: ColumnElement[str] = literal_column("'running'")
 LEDGER_COMPLETED: ColumnElement[str] = literal_column("'completed'")
 _ONE_SECOND = literal_column("interval '1 second'", type_=Interval)
-#: The physical address of a row version (claims lock and update by it).
-_CTID: ColumnElement[Any] = literal_column("ctid")
+#: The physical address of a row version (claims lock and update by it):
+#: ``ctid`` is only unique within one partition, so with the partition's
+#: ``tableoid``; and the row's due time, on which the claiming UPDATE prunes
+#: every other partition at run time.
+ROW_ADDRESS: tuple[ColumnElement[Any], ...] = (
+    literal_column("tableoid").label("tableoid"),
+    literal_column("ctid").label("ctid"),
+)
 _DOUBLE = postgresql.DOUBLE_PRECISION
 _FINISHED = [status.value for status in FINISHED_STATUSES]
 
@@ -94,6 +101,7 @@ class Tables:
     """The tables of one schema."""
 
     jobs: Table
+    job_keys: Table
     leaders: Table
     workers: Table
     ledger: Table
@@ -180,15 +188,42 @@ def requeue_values(jobs: Table, why: str, *args: Any) -> dict[str, Any]:
     }
 
 
+#: :data:`celery_sched.models.SENT_DUE_MARGIN` in SQL: a job a leader
+#: releases or requeues, or a worker reports on, by its id is due by now
+#: plus the margin. With this bound PostgreSQL skips every partition of a
+#: later day when the statement starts (run-time pruning on now(): "Subplans
+#: Removed" in EXPLAIN ANALYZE) instead of probing each one's primary key.
+SENT_DUE_MARGIN = literal_column(
+    f"interval '{round(models.SENT_DUE_MARGIN.total_seconds())} seconds'", type_=Interval
+)
+
+
+def sent_due(jobs: Table) -> ColumnElement[bool]:
+    """The bound of :data:`SENT_DUE_MARGIN` on ``jobs.due_at``."""
+    return jobs.c.due_at <= func.now() + SENT_DUE_MARGIN
+
+
+def same_row(jobs: Table, chosen: Any) -> tuple[ColumnElement[bool], ...]:
+    """``jobs``' row is the one ``chosen`` (a subquery of :data:`ROW_ADDRESS`
+    and ``due_at``) addressed: found by TID in its own partition, which the
+    due time picks at run time (the others are never scanned)."""
+    table = DIALECT.identifier_preparer.format_table(jobs)
+    return (
+        jobs.c.due_at == chosen.c.due_at,
+        literal_column(f"{table}.tableoid") == chosen.c.tableoid,
+        literal_column(f"{table}.ctid") == chosen.c.ctid,
+    )
+
+
 def _claim(jobs: Table, chosen: Any, *recheck: ColumnElement[bool]) -> Update:
     c = jobs.c
     # The subquery locked these exact row versions (FOR UPDATE), so
     # nobody can change them before this statement does: joining on the
-    # physical row address (a TID scan) is safe and saves a primary key
-    # probe per row. Should a row have been updated between the
-    # statement's snapshot and its lock, the TID scan does not see the
-    # new version and the row is simply not claimed this time.
-    table = DIALECT.identifier_preparer.format_table(jobs)
+    # physical row address (a TID scan in the row's own partition, found
+    # by its due time) is safe and saves a primary key probe per row.
+    # Should a row have been updated between the statement's snapshot
+    # and its lock, the TID scan does not see the new version and the row
+    # is simply not claimed this time.
     # Options come back as text: most claimed jobs share a handful of
     # option sets, which the store decodes once per batch instead of
     # running the JSON loader per row.
@@ -203,7 +238,7 @@ def _claim(jobs: Table, chosen: Any, *recheck: ColumnElement[bool]) -> Update:
     ]
     return (
         update(jobs)
-        .where(literal_column(f"{table}.ctid") == chosen.c.ctid, *recheck)
+        .where(*same_row(jobs, chosen), *recheck)
         .values(status="dispatched", dispatched_at=func.now(), leader_epoch=bindparam("p_epoch"))
         .returning(*returned)
     )
@@ -226,7 +261,7 @@ def claim_due(t: Tables) -> Update:
     # row moved to another shard meanwhile fails the re-checked shard test,
     # as in claim_ids.)
     due_ids = (
-        select(_CTID)
+        select(*ROW_ADDRESS, c.due_at)
         .where(
             c.status == PENDING,
             c.shard == bindparam("p_shard"),
@@ -258,7 +293,7 @@ def claim_ids(t: Tables) -> Update:
     # holds the row), so the old shard's leader never claims it; the new
     # shard's sweep or staging does, once.
     given_ids = (
-        select(_CTID)
+        select(*ROW_ADDRESS, c.due_at)
         .where(c.id == any_(_ids(t.jobs, "ids")), c.shard == bindparam("p_shard"))
         .with_for_update(skip_locked=True)
         .subquery("given")
@@ -331,6 +366,7 @@ def _fenced(t: Tables) -> tuple[ColumnElement[bool], ...]:
     c = t.jobs.c
     return (
         c.id == any_(_ids(t.jobs, "ids")),
+        sent_due(t.jobs),
         c.status == DISPATCHED,
         c.leader_epoch == bindparam("p_epoch"),
     )
@@ -375,6 +411,7 @@ def fail_dispatch(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == failed.c.id,
+            sent_due(t.jobs),
             c.status == DISPATCHED,
             c.leader_epoch == bindparam("p_epoch"),
         )
@@ -402,6 +439,7 @@ def mark_missed(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == dropped.c.id,
+            sent_due(t.jobs),
             c.status == DISPATCHED,
             c.leader_epoch == bindparam("p_epoch"),
             c.attempt == 0,
@@ -550,7 +588,7 @@ def _oldest(
     skipped): the subquery ``name`` of a requeue."""
     c = t.jobs.c
     return (
-        select(c.id)
+        select(*ROW_ADDRESS, c.due_at)
         .where(c.status == status, c.shard == bindparam("p_shard"), *tests)
         .order_by(by)
         .limit(bindparam("p_limit"))
@@ -564,7 +602,7 @@ def _requeue(t: Tables, chosen: Any, why: str, *args: Any) -> Update:
     c = t.jobs.c
     return (
         update(t.jobs)
-        .where(c.id == chosen.c.id)
+        .where(*same_row(t.jobs, chosen))
         .values(**requeue_values(t.jobs, why, *args))
         .returning(c.status)
     )
@@ -602,7 +640,7 @@ def mark_untracked(t: Tables) -> Update:
     stale = _stale_dispatched(t, "untracked", not_(_tracked(t)))
     return (
         update(t.jobs)
-        .where(c.id == stale.c.id)
+        .where(*same_row(t.jobs, stale))
         .values(
             status="sent",
             finished_at=func.now(),
@@ -685,7 +723,8 @@ def rescue(t: Tables) -> Update:
     )
     orphaned = (
         select(
-            c.id,
+            *ROW_ADDRESS,
+            c.due_at,
             completed.label("done"),
             select(func.max(w.seen_at)).where(its_process).scalar_subquery().label("seen"),
         )
@@ -718,7 +757,7 @@ def rescue(t: Tables) -> Update:
     done = orphaned.c.done
     return (
         update(t.jobs)
-        .where(c.id == orphaned.c.id)
+        .where(*same_row(t.jobs, orphaned))
         .values(
             status=case((done, "succeeded"), (gives_up, "dead"), else_="pending"),
             attempt=case((done, c.attempt), else_=c.attempt + 1),
@@ -787,6 +826,7 @@ def mark_running(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == bindparam("p_id"),
+            sent_due(t.jobs),
             or_(c.status.in_(["dispatched", "retrying", "pending"]), adopted),
         )
         .values(
@@ -803,7 +843,7 @@ def mark_finished(t: Tables) -> Update:
     c = t.jobs.c
     return (
         update(t.jobs)
-        .where(c.id == bindparam("p_id"), c.status.not_in(_FINISHED))
+        .where(c.id == bindparam("p_id"), sent_due(t.jobs), c.status.not_in(_FINISHED))
         .values(
             status=bindparam("p_status"),
             finished_at=func.now(),
@@ -819,7 +859,7 @@ def mark_retrying(t: Tables) -> Update:
     # reconciler requeues it once that is a visibility timeout past).
     return (
         update(t.jobs)
-        .where(c.id == bindparam("p_id"), c.status == "running")
+        .where(c.id == bindparam("p_id"), sent_due(t.jobs), c.status == "running")
         .values(
             status="retrying",
             dispatched_at=func.now()
@@ -855,6 +895,7 @@ def batch_running(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == running.c.id,
+            sent_due(t.jobs),
             or_(c.status == any_(text_array("dispatched", "retrying", "pending")), adopted),
             # A delivery of an older attempt (the job was requeued since)
             # must not move the row: the new attempt could not be claimed.
@@ -876,7 +917,7 @@ def batch_retrying(t: Tables) -> Update:
     retry_in = cast(retrying.c.retry_in, _DOUBLE)
     return (
         update(t.jobs)
-        .where(c.id == retrying.c.id, c.status == "running")
+        .where(c.id == retrying.c.id, sent_due(t.jobs), c.status == "running")
         .values(
             status="retrying",
             dispatched_at=func.now() + seconds(func.coalesce(retry_in, 0.0)),
@@ -891,7 +932,9 @@ def batch_finished(t: Tables) -> Update:
     ended = _reported(t.jobs, status="p_statuses", error="p_errors")
     return (
         update(t.jobs)
-        .where(c.id == ended.c.id, c.status != all_(text_array(*sorted(_FINISHED))))
+        .where(
+            c.id == ended.c.id, sent_due(t.jobs), c.status != all_(text_array(*sorted(_FINISHED)))
+        )
         .values(status=ended.c.status, finished_at=func.now(), last_error=ended.c.error)
     )
 
@@ -912,7 +955,7 @@ def batch_ran(t: Tables) -> Update:
     was_running = c.status == "running"
     return (
         update(t.jobs)
-        .where(c.id == ran.c.id, c.status != all_(text_array(*sorted(_FINISHED))))
+        .where(c.id == ran.c.id, sent_due(t.jobs), c.status != all_(text_array(*sorted(_FINISHED))))
         .values(
             status=ran.c.status,
             started_at=case((was_running, c.started_at), else_=now),
@@ -941,6 +984,7 @@ def batch_lost(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == lost.c.id,
+            sent_due(t.jobs),
             c.status == any_(text_array("dispatched", "running")),
             or_(lost.c.attempt.is_(None), c.attempt == cast(lost.c.attempt, Integer)),
         )
@@ -976,7 +1020,9 @@ def _delivery_fence(t: Tables) -> _DeliveryFence:
     # No job row (pruned, or not a celery_sched message) fences nothing.
     job_id = bindparam("p_job_id", type_=jobs.c.id.type)
     delivered = bindparam("p_attempt", type_=Integer)
-    job = select(jobs.c.status, jobs.c.attempt).where(jobs.c.id == job_id).cte("job")
+    job = (
+        select(jobs.c.status, jobs.c.attempt).where(jobs.c.id == job_id, sent_due(jobs)).cte("job")
+    )
     # The adoption (see Ledger.check_delivery): a copy of an older attempt
     # takes over a job nobody has started since its requeue. Only while
     # the row still has the attempt this statement read: a racing older
@@ -985,6 +1031,7 @@ def _delivery_fence(t: Tables) -> _DeliveryFence:
         update(jobs)
         .where(
             jobs.c.id == job_id,
+            sent_due(jobs),
             jobs.c.status.in_(_literals(ADOPTABLE_STATUSES)),
             jobs.c.attempt > delivered,
             jobs.c.attempt == select(job.c.attempt).scalar_subquery(),

@@ -1,0 +1,142 @@
+"""Job keys, unique across the partitions of ``jobs``.
+
+A partitioned table's unique indexes must hold its partition key, so
+``jobs`` can only promise ``(id, due_at)`` unique. ``job_keys (key PRIMARY
+KEY, job_id)`` (migration 0012) makes keys unique across partitions. Which
+jobs take an entry (:func:`key_entry`):
+
+- every job with a caller-chosen key (``order:42``, an occurrence's
+  ``name@instant``): the entry is the key;
+- a job keyed by its id whose id is not a version-7 UUID: a caller's UUID
+  given as the key (Celery task ids are version 4); the entry is the id's
+  text;
+- not a job keyed by a version-7 id: celery_sched generates those (time
+  ordered, 74 random bits), unique by construction, for every job
+  scheduled without a key, the bulk case; ``add_job`` still locks such an
+  id (an advisory lock on its hash, held to commit) and looks it up in every
+  partition, which a single insert can afford. Only a caller who bulk-loads
+  their own version-7 UUIDs as keys twice, at different due times, is not
+  stopped (README, "Storage that stays flat").
+
+Each insert path takes the entry first, in the job's transaction:
+``add_job`` inserts it (a taken key is a unique violation on
+``job_keys_pkey``: :class:`~celery_sched.errors.DuplicateJob`; with
+``if_exists="return"`` ``ON CONFLICT DO NOTHING``, then the job holding it is
+read); ``load_jobs`` COPYs a chunk's entries after its jobs (a taken key
+fails the load, as the unique index did); periodic occurrences take theirs
+with ``ON CONFLICT DO NOTHING`` and only the jobs whose key was free are
+inserted. Two writers of one key serialize on its entry, as they did on the
+old unique index.
+
+Deleting a job deletes its entry (prune, withdrawn occurrences, a dropped
+partition), matched on both key and job id so that an entry a new job took
+after the old one finished is never removed with it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Text, Uuid, and_, bindparam, cast, func, select
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import ColumnElement
+
+from celery_sched.models import NewJob, id_of_key
+from celery_sched.store.postgres.statements import Tables
+
+
+def key_entry(key: str | None, job_id: uuid.UUID) -> str | None:
+    """The ``job_keys`` entry of a job row with ``key`` (as stored: None
+    when keyed by its id) and ``job_id``; None when it takes none."""
+    if key is not None:
+        return key
+    # The version nibble, read off the integer: cheaper than UUID.version.
+    return None if (job_id.int >> 76) & 0xF == 7 else str(job_id)
+
+
+def entry_of(jobs: Any) -> ColumnElement[str]:
+    """:func:`key_entry` in SQL, for rows (or a CTE of deleted rows) of jobs
+    (a row keyed by its v7 id has no entry; matching its text finds none)."""
+    return func.coalesce(jobs.c.key, cast(jobs.c.id, Text))
+
+
+def stored_key(job: NewJob) -> str | None:
+    """What ``jobs.key`` holds for ``job``: None when the key is its id's text
+    (``NewJob`` guarantees that a key which is a UUID's text is its id)."""
+    return None if id_of_key(job.key) is not None else job.key
+
+
+class JobKeys:
+    """The ``job_keys`` statements of one schema."""
+
+    def __init__(self, tables: Tables) -> None:
+        keys = tables.job_keys
+        self.table = keys
+        self.take = pg_insert(keys).values(key=bindparam("p_key"), job_id=bindparam("p_id"))
+        self.take_if_free = self.take.on_conflict_do_nothing().returning(keys.c.key)
+        pairs = select(
+            func.unnest(bindparam("p_keys", type_=ARRAY(Text))).label("key"),
+            func.unnest(bindparam("p_ids", type_=ARRAY(Uuid))).label("job_id"),
+        )
+        # A job keyed by its id: ids are unique only with their due time in
+        # jobs, so a single insert locks the id (an advisory lock on its
+        # hash, held to commit) and looks it up in every partition. Bulk
+        # loads skip this: their keyless ids are generated, unique by
+        # construction.
+        self.lock_id = select(
+            func.pg_advisory_xact_lock(func.hashtextextended(cast(bindparam("p_id"), Text), 0))
+        )
+        jobs = tables.jobs
+        self.id_taken = select(jobs.c.id).where(jobs.c.id == bindparam("p_id")).limit(1)
+        self.take_free = (
+            pg_insert(keys)
+            .from_select(["key", "job_id"], pairs)
+            .on_conflict_do_nothing()
+            .returning(keys.c.key)
+        )
+
+    def is_free(self, conn: Connection, job: NewJob, *, or_raise: bool) -> bool:
+        """Take ``job``'s entry (or, keyed by a v7 id, lock the id and look
+        it up); whether its key was free. ``or_raise``: a taken key raises
+        the unique violation (DuplicateJob) instead."""
+        entry = key_entry(stored_key(job), job.id)
+        if entry is None:
+            conn.execute(self.lock_id, {"p_id": job.id})
+            return conn.execute(self.id_taken, {"p_id": job.id}).first() is None
+        params = {"p_key": entry, "p_id": job.id}
+        if or_raise:
+            conn.execute(self.take, params)
+            return True
+        return conn.execute(self.take_if_free, params).first() is not None
+
+    def take_free_keys(self, conn: Connection, pairs: Sequence[tuple[str, uuid.UUID]]) -> set[str]:
+        """Take the free keys of ``(key, job_id)`` pairs; return those taken now."""
+        if not pairs:
+            return set()
+        params = {"p_keys": [key for key, _ in pairs], "p_ids": [job_id for _, job_id in pairs]}
+        return set(conn.execute(self.take_free, params).scalars())
+
+    def free_jobs(self, conn: Connection, jobs: Sequence[NewJob]) -> list[NewJob]:
+        """``jobs`` whose key was free, now taken for them (and those keyed
+        by their id); a job whose key is taken is left out."""
+        keyed = [(entry, job.id) for job in jobs if (entry := key_entry(stored_key(job), job.id))]
+        taken = self.take_free_keys(conn, keyed)
+        free: list[NewJob] = []
+        for job in jobs:
+            key = key_entry(stored_key(job), job.id)
+            if key is None:
+                free.append(job)
+            elif key in taken:
+                taken.discard(key)  # one job per key, should a batch repeat one
+                free.append(job)
+        return free
+
+    def released_with(self, gone: Any) -> ColumnElement[bool]:
+        """The WHERE clause deleting the entries of the rows of ``gone`` (a
+        CTE of deleted jobs returning ``key`` and ``id``)."""
+        keys = self.table.c
+        return and_(keys.key == entry_of(gone), keys.job_id == gone.c.id)

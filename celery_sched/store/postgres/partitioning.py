@@ -1,0 +1,289 @@
+"""The partitions of one schema's ``jobs`` table: which exist, creating the
+ones an insert needs, and dropping finished ones (issue #17).
+
+``jobs`` is range-partitioned by ``due_at`` (migration 0012) with no DEFAULT
+partition, so a row can only be written once a partition holds its due time.
+Every insert path (``add_job``, the COPY of ``load_jobs``, the planner's
+occurrences, a requeue by hand that moves a job to now) first asks
+:meth:`Partitions.ensure` for its due times; the answer comes from a cached
+list of the existing ranges, so the common case costs no query. What is
+missing is created in a transaction of its own (committed at once, so a
+long bulk load never holds the lock it takes), under an advisory lock that
+serializes creators across processes, as a plain table then attached:
+``ATTACH PARTITION`` takes only a SHARE UPDATE EXCLUSIVE lock on ``jobs``
+(claims and inserts go on), where ``CREATE TABLE ... PARTITION OF`` would
+take an ACCESS EXCLUSIVE one. The layout (which range holds a due time) is
+:mod:`celery_sched.store.partitions`; a due time that an existing coarser
+or finer partition already holds is left to it.
+
+Retention (:meth:`Partitions.drop_finished`): a partition whose whole range
+is older than the retention and whose every row finished before it is
+dropped whole, with the ``job_keys`` entries of its rows, instead of
+deleting its rows one by one. A partition still holding a pending or
+running job is kept (its finished rows go by the batched DELETE): nothing
+is lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime as dt
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from celery_sched.errors import CelerySchedError
+from celery_sched.models import UNFINISHED_STATUSES
+from celery_sched.store.partitions import PartitionRange, parse_name, ranges_for
+from celery_sched.store.postgres.connection import Database
+from celery_sched.store.schema import JOBS_STORAGE
+
+logger = logging.getLogger(__name__)
+
+#: First key of the advisory lock serializing partition changes (the second
+#: is a hash of the schema name), beside the migrations' 0x5C4ED.
+PARTITION_LOCK_CLASS = 0x5C4EE
+#: Longest a retention drop waits for the locks it needs (``jobs`` itself
+#: while its partition list changes): claims queue behind a waiting drop, so
+#: it gives up soon and tries again on the next pass.
+DROP_LOCK_TIMEOUT_MS = 500
+#: Days ahead of today the leader keeps partitions created.
+AHEAD_DAYS = 7
+
+_UNFINISHED = sorted(status.value for status in UNFINISHED_STATUSES)
+_STORAGE = ", ".join(f"{name} = {value}" for name, value in JOBS_STORAGE.items())
+
+
+def _literal(at: dt.datetime) -> str:
+    return f"'{at.astimezone(dt.UTC).isoformat()}'"
+
+
+def name_indexes(conn: Connection, schema: str, partition: str) -> None:
+    """Name each index of ``partition`` after the index of ``jobs`` it
+    belongs to (``jobs_pending_due_idx_20261206_20261207``), so that query
+    plans and ``\\d`` read as the schema does; PostgreSQL would name them
+    after their columns."""
+    suffix = partition.removeprefix("jobs_")
+    rows = conn.execute(
+        text(
+            "SELECT child.relname, parent.relname FROM pg_index x "
+            "JOIN pg_class child ON child.oid = x.indexrelid "
+            "JOIN pg_inherits i ON i.inhrelid = x.indexrelid "
+            "JOIN pg_class parent ON parent.oid = i.inhparent "
+            "WHERE x.indrelid = CAST(:table AS regclass)"
+        ),
+        {"table": f'"{schema}"."{partition}"'},
+    ).all()
+    for child, parent in rows:
+        wanted = f"{parent}_{suffix}"
+        if child != wanted:
+            conn.exec_driver_sql(f'ALTER INDEX "{schema}"."{child}" RENAME TO "{wanted}"')
+
+
+class Partitions:
+    """The ranges of one schema's ``jobs`` partitions, cached, and the DDL
+    that creates and drops them."""
+
+    def __init__(self, database: Database) -> None:
+        self._database = database
+        self._schema = database.schema
+        self._lock = threading.Lock()
+        #: Sorted existing ranges; ``None`` until first read.
+        self._known: list[PartitionRange] | None = None
+
+    # -- what exists --------------------------------------------------------
+
+    def read(self, conn: Connection) -> list[PartitionRange]:
+        """The ranges of the partitions attached to ``jobs``, oldest first."""
+        rows = conn.execute(
+            text(
+                "SELECT c.relname FROM pg_inherits i "
+                "JOIN pg_class c ON c.oid = i.inhrelid "
+                "JOIN pg_class p ON p.oid = i.inhparent "
+                "JOIN pg_namespace n ON n.oid = p.relnamespace "
+                "WHERE n.nspname = :schema AND p.relname = 'jobs'"
+            ),
+            {"schema": self._schema},
+        ).scalars()
+        return sorted(parse_name(name) for name in rows)
+
+    def known(self) -> list[PartitionRange]:
+        """The cached ranges (read from the catalog the first time)."""
+        with self._lock:
+            if self._known is None:
+                self._known = self._database.transaction("partitions", self.read)
+            return list(self._known)
+
+    def forget(self) -> None:
+        """Read the catalog again next time (after a failed write)."""
+        with self._lock:
+            self._known = None
+
+    @staticmethod
+    def covers(ranges: Sequence[PartitionRange], low: dt.datetime, high: dt.datetime) -> bool:
+        """Whether contiguous ``ranges`` hold every due time in ``[low, high]``."""
+        uppers = [rng.upper for rng in ranges]
+        at = bisect.bisect_right(uppers, low)
+        if at == len(ranges) or ranges[at].lower > low:
+            return False
+        while ranges[at].upper <= high:
+            if at + 1 == len(ranges) or ranges[at + 1].lower != ranges[at].upper:
+                return False
+            at += 1
+        return True
+
+    # -- creating -----------------------------------------------------------
+
+    def ensure(self, conn: Connection, due_times: Iterable[dt.datetime]) -> None:
+        """Make sure a partition holds each of ``due_times``, creating what
+        is missing in ``conn``'s transaction (so the caller's next statement
+        sees it; it stays only if that transaction commits)."""
+        times = list(due_times)
+        if not times:
+            return
+        known = self.known()
+        missing = [at for at in times if not self.covers(known, at, at)]
+        if missing:
+            self._create_for(conn, missing)
+
+    def ensure_span(
+        self,
+        conn: Connection,
+        low: dt.datetime,
+        high: dt.datetime,
+        due_times: Iterable[dt.datetime],
+    ) -> None:
+        """:meth:`ensure` for a batch whose due times lie in ``[low, high]``:
+        free when the cached ranges hold that whole span."""
+        if not self.covers(self.known(), low, high):
+            self.ensure(conn, due_times)
+
+    def _create_for(self, conn: Connection, due_times: Sequence[dt.datetime]) -> None:
+        self._serialize(conn)
+        existing = self.read(conn)
+        now = conn.execute(text("SELECT now()")).scalar_one()
+        try:
+            for rng in ranges_for(due_times, now):
+                if not any(old.lower < rng.upper and rng.lower < old.upper for old in existing):
+                    self._attach(conn, rng)
+                    existing = sorted([*existing, rng])
+                    continue
+                # Another process made a coarser or finer range meanwhile:
+                # fill only the days that still have no partition.
+                for at in due_times:
+                    if rng.holds(at) and not self.covers(existing, at, at):
+                        lower = dt.datetime.combine(at.astimezone(dt.UTC).date(), dt.time(), dt.UTC)
+                        day = PartitionRange(lower=lower, upper=lower + dt.timedelta(days=1))
+                        self._attach(conn, day)
+                        existing = sorted([*existing, day])
+        except BaseException:
+            self.forget()
+            raise
+        # Optimistic: should the caller's transaction roll back, an insert
+        # meets a missing partition, forgets and tries again (MissingPartition).
+        with self._lock:
+            self._known = existing
+
+    def _serialize(self, conn: Connection) -> None:
+        conn.execute(
+            text("SELECT pg_advisory_xact_lock(:cls, hashtext(:schema))"),
+            {"cls": PARTITION_LOCK_CLASS, "schema": self._schema},
+        )
+
+    def _attach(self, conn: Connection, rng: PartitionRange) -> None:
+        schema = self._schema
+        conn.exec_driver_sql(
+            f'CREATE TABLE "{schema}"."{rng.name}" '
+            f'(LIKE "{schema}".jobs INCLUDING DEFAULTS INCLUDING CONSTRAINTS) '
+            f"WITH ({_STORAGE})"
+        )
+        conn.exec_driver_sql(
+            f'ALTER TABLE "{schema}".jobs ATTACH PARTITION "{schema}"."{rng.name}" '
+            f"FOR VALUES FROM ({_literal(rng.lower)}) TO ({_literal(rng.upper)})"
+        )
+        name_indexes(conn, schema, rng.name)
+        logger.info("created jobs partition %s", rng.name)
+
+    def create_ahead(self, now: dt.datetime, days: int = AHEAD_DAYS) -> None:
+        """Today's and the next ``days`` days' partitions (the leader's
+        housekeeping), so that the day's first inserts never wait for DDL."""
+        start = dt.datetime.combine(now.astimezone(dt.UTC).date(), dt.time(), dt.UTC)
+        days_ahead = [start + dt.timedelta(days=i) for i in range(days + 1)]
+        if not self.covers(self.known(), days_ahead[0], days_ahead[-1]):
+            self._database.transaction(
+                "create_partitions", lambda conn: self.ensure(conn, days_ahead)
+            )
+
+    # -- retention ----------------------------------------------------------
+
+    def drop_finished(self, *, older_than: float) -> list[tuple[PartitionRange, int]]:
+        """Drop each partition whose whole range lies before ``now -
+        older_than`` seconds and whose rows all finished before then, with
+        their ``job_keys`` entries; return the dropped ranges with the
+        number of jobs each held."""
+        dropped: list[tuple[PartitionRange, int]] = []
+
+        def candidates(conn: Connection) -> tuple[dt.datetime, list[PartitionRange]]:
+            cutoff = conn.execute(
+                text("SELECT now() - make_interval(secs => :s)"), {"s": older_than}
+            ).scalar_one()
+            return cutoff, [rng for rng in self.read(conn) if rng.upper <= cutoff]
+
+        cutoff, old = self._database.transaction("partitions_to_drop", candidates)
+        for rng in old:
+
+            def drop(conn: Connection, rng: PartitionRange = rng) -> int | None:
+                return self._drop(conn, rng, cutoff)
+
+            try:
+                rows = self._database.transaction("drop_partition", drop)
+            except CelerySchedError as exc:  # a lock wait ran out: the next pass tries again
+                logger.info("jobs partition %s not dropped this time: %s", rng.name, exc)
+                continue
+            if rows is not None:
+                dropped.append((rng, rows))
+        if dropped:
+            self.forget()
+        return dropped
+
+    @staticmethod
+    def _unfinished(conn: Connection, table: str, cutoff: dt.datetime) -> bool:
+        """Whether ``table`` holds a job not finished, or finished since
+        ``cutoff``: one EXISTS per unfinished status, each answered by that
+        status's partial index, and one on ``jobs_finished_idx``."""
+        probes = [
+            f"EXISTS (SELECT 1 FROM {table} WHERE status = '{status}')" for status in _UNFINISHED
+        ]
+        probes.append(f"EXISTS (SELECT 1 FROM {table} WHERE finished_at >= :cutoff)")
+        found = conn.execute(text("SELECT " + " OR ".join(probes)), {"cutoff": cutoff})
+        return bool(found.scalar_one())
+
+    def _drop(self, conn: Connection, rng: PartitionRange, cutoff: dt.datetime) -> int | None:
+        """Drop ``rng``'s partition if every job in it finished before
+        ``cutoff``; its number of jobs, or None when it was kept."""
+        schema, name = self._schema, rng.name
+        table = f'"{schema}"."{name}"'
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT_MS}ms'")
+        self._serialize(conn)
+        if self._unfinished(conn, table, cutoff):
+            return None
+        # Counted before the lock (a full read of the partition must not
+        # hold up claims); finished rows before the cutoff do not change.
+        rows = int(conn.exec_driver_sql(f"SELECT count(*) FROM {table}").scalar_one())
+        # Their keys are free again; before the lock too (it reads every
+        # row), undone with the transaction should the partition be kept.
+        conn.exec_driver_sql(
+            f'DELETE FROM "{schema}".job_keys k USING {table} j '
+            "WHERE k.key = coalesce(j.key, j.id::text) AND k.job_id = j.id"
+        )
+        # No insert, claim or report can touch its rows from here on (claims
+        # wait behind this lock, so the check again reads indexes only).
+        conn.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        if self._unfinished(conn, table, cutoff):
+            return None
+        conn.exec_driver_sql(f"DROP TABLE {table}")
+        logger.info("dropped jobs partition %s (its %d jobs had all finished)", name, rows)
+        return rows
