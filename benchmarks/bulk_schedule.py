@@ -7,7 +7,7 @@ psycopg into a bare table with the same columns and only a primary key: the
 physical reference of what PostgreSQL can ingest. Each run uses a fresh
 schema; everything is dropped at the end.
 
-    .venv/bin/python benchmarks/bulk_schedule.py [--jobs N] [--runs 3] [--profile]
+    .venv/bin/python benchmarks/bulk_schedule.py [--jobs N] [--runs 3] [--keys] [--profile]
 
 Prints progress, then one JSON object as the last line (medians over runs).
 """
@@ -56,12 +56,16 @@ def make_app() -> Celery:
     return app
 
 
-def rows(n: int, start: dt.datetime) -> Iterator[dict[str, Any]]:
-    """n jobs spread evenly over 24 hours from ``start``."""
+def rows(n: int, start: dt.datetime, *, keys: bool = False) -> Iterator[dict[str, Any]]:
+    """n jobs spread evenly over 24 hours from ``start``; with ``keys``, each
+    with a key of its own (``order:<i>``) instead of its generated id."""
     step = 86_400.0 / n
     delta = dt.timedelta
     for i in range(n):
-        yield {"task": TASK, "args": [i], "eta": start + delta(seconds=i * step)}
+        row = {"task": TASK, "args": [i], "eta": start + delta(seconds=i * step)}
+        if keys:
+            row["key"] = f"order:{i}"
+        yield row
 
 
 def copy_tuple(job: NewJob) -> tuple[Any, ...]:
@@ -87,7 +91,12 @@ def copy_tuple(job: NewJob) -> tuple[Any, ...]:
 
 
 def run_once(
-    app: Celery, n: int, profile: bool, index: int, without: Sequence[str] = ()
+    app: Celery,
+    n: int,
+    profile: bool,
+    index: int,
+    without: Sequence[str] = (),
+    keys: bool = False,
 ) -> dict[str, float]:
     schema = unique_name("bench_bulk")
     settings = Settings(database_url=DATABASE_URL, db_schema=schema)
@@ -98,7 +107,7 @@ def run_once(
             client.migrate()
             drop_indexes(conninfo, schema, without)
             # The caller's input exists before the call; only scheduling is timed.
-            inputs = list(rows(n, start))
+            inputs = list(rows(n, start, keys=keys))
             profiler = cProfile.Profile() if profile else None
             t0, c0 = time.perf_counter(), time.process_time()
             if profiler is not None:
@@ -177,6 +186,9 @@ def main() -> None:
         metavar="NAME",
         help="drop this index of the jobs table after migrating (an A/B of its cost)",
     )
+    parser.add_argument(
+        "--keys", action="store_true", help="give every job a key of its own (order:<i>)"
+    )
     args = parser.parse_args()
 
     app = make_app()
@@ -186,7 +198,8 @@ def main() -> None:
         flush=True,
     )
     results = [
-        run_once(app, args.jobs, args.profile, i + 1, args.without_index) for i in range(args.runs)
+        run_once(app, args.jobs, args.profile, i + 1, args.without_index, args.keys)
+        for i in range(args.runs)
     ]
     median = {
         key: statistics.median(r[key] for r in results)
@@ -197,6 +210,7 @@ def main() -> None:
         "jobs": args.jobs,
         "runs": args.runs,
         "without_indexes": args.without_index,
+        "keys": args.keys,
         "schedule_many_jobs_per_s": round(median["schedule_many_jobs_per_s"]),
         "raw_copy_jobs_per_s": round(median["raw_copy_jobs_per_s"]),
         "ratio": round(median["ratio"], 3),

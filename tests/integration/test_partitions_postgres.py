@@ -25,6 +25,7 @@ from tests.contract.conftest import new_job
 pytestmark = pytest.mark.integration
 
 DAY = dt.timedelta(days=1)
+HOUR = dt.timedelta(hours=1)
 
 
 @pytest.fixture
@@ -259,3 +260,24 @@ def test_migration_moves_existing_rows_into_partitions(settings: Settings) -> No
         assert job_keys(settings) == set(dues)
     finally:
         store.close()
+
+
+def test_a_bulk_load_in_any_order_creates_each_partition_once_and_loses_no_row(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    now = store.now()
+    far = [dt.datetime(2031, 1, 1, tzinfo=dt.UTC), dt.datetime(2033, 6, 1, tzinfo=dt.UTC)]
+    # Interleaved: each row's partition is missing or another one than the row before's.
+    dues = [now + DAY, far[0], now + 2 * DAY, far[1], now + DAY + HOUR, far[0] + HOUR, now]
+    keyed = store.load_jobs(new_job(f"mixed-{i}", due) for i, due in enumerate(dues))
+    keyless = store.load_job_rows(
+        (uuid.uuid4(), None, *new_job("x", due).as_row()[2:]) for due in reversed(dues)
+    )
+    assert keyed == keyless == len(dues)
+    assert store.counts_by_status() == {JobStatus.PENDING: 2 * len(dues)}
+    for i, due in enumerate(dues):
+        assert parse_name(partition_of(settings, f"mixed-{i}")).holds(due)
+    names = partitions(settings)
+    assert "jobs_20310101_20320101" in names and "jobs_20330101_20340101" in names
+    # Keys of their own and (version 4) ids given as keys are all in job_keys.
+    assert len(job_keys(settings)) == 2 * len(dues)

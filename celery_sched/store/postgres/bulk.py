@@ -7,11 +7,13 @@ schedules) need; the rows come as tuples already in column order.
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import itertools
 import json
 import logging
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -21,18 +23,18 @@ from psycopg.types.string import BytesBinaryDumper
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection
 
-from celery_sched.errors import DuplicateJob
+from celery_sched.errors import DuplicateJob, MissingPartition
 from celery_sched.models import NEW_JOB_ROW, NewJobRow
 from celery_sched.store.postgres.connection import Database, is_transient
-from celery_sched.store.postgres.keys import key_entry
 from celery_sched.store.postgres.partitioning import Partitions
 
 logger = logging.getLogger(__name__)
 
 #: Bulk loads of at least this many rows refresh the table's statistics.
 ANALYZE_AFTER_ROWS = 10_000
-#: Rows per COPY of a bulk load (see :class:`JobCopy`).
-COPY_CHUNK = 50_000
+#: One due time in every SAMPLE_MASK + 1 rows of a bulk load is kept, to
+#: know which partitions it wrote to (and ANALYZE them).
+SAMPLE_MASK = 1023
 
 # The columns COPY writes, in order, with their binary COPY types. The rest
 # (status, attempt, created_at, ...) take their server defaults.
@@ -112,14 +114,17 @@ class _OptionsDumper(Dumper):
 
 class JobCopy:
     """COPY of new job rows into one schema's ``jobs`` table, and of their
-    caller-chosen keys into ``job_keys``.
+    keys into ``job_keys``.
 
-    The rows come from an iterator read once, and a partition must exist
-    before COPY routes a row to it; so they are sent in chunks of
-    :data:`COPY_CHUNK`: each chunk's due span is checked against the known
-    partitions (free in the common case), the missing ones are created in
-    the load's own transaction (its next COPY sees them), then the chunk is
-    copied, and its keys after it. One transaction: all or nothing.
+    The rows come from an iterator read once, and streamed: the caller
+    builds row ``n + 1`` while PostgreSQL stores row ``n`` (two cores
+    working, not one after the other). A partition must exist before COPY
+    routes a row to it, so each row's due time is checked against the
+    contiguous spans of the known partitions (a comparison of two
+    datetimes in the common case); a row no partition holds ends the COPY,
+    its partition (and the other days of its neighbourhood) is created in
+    the load's own transaction, and a new COPY goes on. Keys are collected
+    and COPYed after each segment. One transaction: all or nothing.
     """
 
     def __init__(self, database: Database, partitions: Partitions) -> None:
@@ -142,8 +147,7 @@ class JobCopy:
         # Only checking out a connection is retried: once COPY has consumed
         # part of a (possibly one-shot) iterator, it cannot be replayed.
         conn = db.retry(lambda: db.engine.connect(), "load_jobs")
-        count = 0
-        spans: list[tuple[dt.datetime, dt.datetime]] = []
+        load = _Load(self, conn)
         try:
             with conn.begin():
                 raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
@@ -164,14 +168,7 @@ class JobCopy:
                     # By type oid, bytea maps to psycopg's DB-API dumper, a
                     # Python subclass; the plain bytes dumper runs in C.
                     cur.adapters.register_dumper(None, BytesBinaryDumper)
-                    source = iter(rows)
-                    while chunk := list(itertools.islice(source, COPY_CHUNK)):
-                        dues = [row[_DUE] for row in chunk]
-                        span = (min(dues), max(dues))
-                        self._partitions.ensure_span(conn, *span, dues)
-                        self._copy_chunk(cur, chunk)
-                        spans.append(span)
-                        count += len(chunk)
+                    load.run(cur, iter(rows))
         except (sa_exc.SQLAlchemyError, psycopg.Error) as exc:
             self._partitions.forget()
             raw_conn = conn.connection.driver_connection if not conn.closed else None
@@ -185,21 +182,104 @@ class JobCopy:
             raise
         finally:
             conn.close()
-        logger.debug("inserted %d jobs with COPY", count)
-        if count >= ANALYZE_AFTER_ROWS:
-            self._analyze(spans)
-        return count
+        logger.debug("inserted %d jobs with COPY", load.count)
+        if load.count >= ANALYZE_AFTER_ROWS:
+            self._analyze(load.sampled)
+        return load.count
 
-    def _copy_chunk(self, cur: psycopg.Cursor[Any], chunk: list[NewJobRow]) -> None:
-        with cur.copy(self.sql) as copy:
-            copy.set_types(self.types)
-            write_row = copy.write_row
-            for row in chunk:
-                write_row(row)
-        keys = [(entry, row[0]) for row in chunk if (entry := key_entry(row[1], row[0]))]
+    def _analyze(self, sampled: list[dt.datetime]) -> None:
+        """Fresh statistics for the partitions the load wrote to (found from
+        a sample of its due times), which keep the planner on the indexes the
+        claims were written for (ANALYZE samples a fixed number of rows, so
+        each costs well under a second; the other partitions did not change)."""
+        known = self._partitions.known()
+        touched = sorted({rng.name for at in sampled for rng in known if rng.holds(at)})
+        for name in touched:
+
+            def analyze(conn: Connection, name: str = name) -> None:
+                conn.exec_driver_sql(f'ANALYZE "{self.schema}"."{name}"')
+
+            self._database.transaction("analyze", analyze)
+
+
+class _Load:
+    """One bulk load's segments: COPY while the partitions hold the rows."""
+
+    def __init__(self, copy: JobCopy, conn: Connection) -> None:
+        self._copy = copy
+        self._conn = conn
+        self._partitions = copy._partitions
+        self.count = 0
+        #: One due time per :data:`SAMPLE_EVERY` rows (which partitions to ANALYZE).
+        self.sampled: list[dt.datetime] = []
+        self._spans: list[tuple[dt.datetime, dt.datetime]] = []
+        self._lowers: list[dt.datetime] = []
+
+    def _read_spans(self) -> None:
+        """The known ranges merged into contiguous spans."""
+        spans: list[tuple[dt.datetime, dt.datetime]] = []
+        for rng in self._partitions.known():
+            if spans and spans[-1][1] == rng.lower:
+                spans[-1] = (spans[-1][0], rng.upper)
+            else:
+                spans.append((rng.lower, rng.upper))
+        self._spans = spans
+        self._lowers = [low for low, _ in spans]
+
+    def _span_of(self, due: dt.datetime) -> tuple[dt.datetime, dt.datetime] | None:
+        at = bisect.bisect_right(self._lowers, due) - 1
+        if at >= 0 and due < self._spans[at][1]:
+            return self._spans[at]
+        return None
+
+    def run(self, cur: psycopg.Cursor[Any], source: Iterator[NewJobRow]) -> None:
+        self._read_spans()
+        pending: NewJobRow | None = None
+        while True:
+            keys: list[tuple[str, uuid.UUID]] = []
+            chosen: list[uuid.UUID] = []
+            low = high = None
+            with cur.copy(self._copy.sql) as copy:
+                copy.set_types(self._copy.types)
+                write_row = copy.write_row
+                if pending is not None:
+                    row, pending = pending, None
+                    source = itertools.chain([row], source)
+                for row in source:
+                    due = row[_DUE]
+                    if low is None or not low <= due < high:
+                        span = self._span_of(due)
+                        if span is None:
+                            pending = row  # its partition is missing: end this COPY
+                            break
+                        low, high = span
+                    write_row(row)
+                    self.count += 1
+                    if not self.count & SAMPLE_MASK:
+                        self.sampled.append(due)
+                    key, job_id = row[1], row[0]
+                    if key is None:
+                        if (job_id.int >> 76) & 0xF != 7:  # not a generated id: keys.key_entry
+                            keys.append((str(job_id), job_id))
+                        continue
+                    keys.append((key, job_id))
+                    if len(key) == _UUID_TEXT and key == str(job_id):
+                        chosen.append(job_id)
+            self._finish_segment(cur, keys, chosen)
+            if pending is None:
+                return
+            due = pending[_DUE]
+            self._partitions.ensure_span(self._conn, due, due, [due])
+            self._read_spans()
+            if self._span_of(due) is None:
+                raise MissingPartition(f"load_jobs: no partition holds due time {due.isoformat()}")
+
+    def _finish_segment(
+        self, cur: psycopg.Cursor[Any], keys: list[tuple[str, uuid.UUID]], chosen: list[uuid.UUID]
+    ) -> None:
         if keys:
             # A key taken before (or twice in the load) fails the load here.
-            with cur.copy(self.keys_sql) as copy:
+            with cur.copy(self._copy.keys_sql) as copy:
                 copy.set_types([kind for _, kind in KEY_COPY_COLUMNS])
                 write_row = copy.write_row
                 for pair in keys:
@@ -207,36 +287,11 @@ class JobCopy:
         # Ids a caller chose (a key that is a UUID's text): no other job,
         # due any day, may have them; a generated id takes no entry of its
         # own, so it is looked up in every partition.
-        chosen = [
-            row[0]
-            for row in chunk
-            if row[1] is not None and len(row[1]) == _UUID_TEXT and row[1] == str(row[0])
-        ]
         if chosen:
-            cur.execute(self.twice_sql, (chosen,))
+            cur.execute(self._copy.twice_sql, (chosen,))
             twice = cur.fetchone()
             if twice is not None:
                 raise DuplicateJob(key=str(twice[0]))
-
-    def _analyze(self, spans: list[tuple[dt.datetime, dt.datetime]]) -> None:
-        """Fresh statistics for the partitions the load wrote to, which keep
-        the planner on the indexes the claims were written for (ANALYZE
-        samples a fixed number of rows, so each costs well under a second;
-        the other partitions did not change)."""
-        touched = sorted(
-            {
-                rng.name
-                for rng in self._partitions.known()
-                for low, high in spans
-                if rng.lower <= high and low < rng.upper
-            }
-        )
-        for name in touched:
-
-            def analyze(conn: Connection, name: str = name) -> None:
-                conn.exec_driver_sql(f'ANALYZE "{self.schema}"."{name}"')
-
-            self._database.transaction("analyze", analyze)
 
 
 def copy_schedule_rows(conn: Connection, sql: str, rows: Sequence[dict[str, Any]]) -> None:

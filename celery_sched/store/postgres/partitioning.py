@@ -53,6 +53,16 @@ DROP_LOCK_TIMEOUT_MS = 500
 #: Days ahead of today the leader keeps partitions created.
 AHEAD_DAYS = 7
 
+#: A bulk batch spanning at most this many days makes sure of each of them;
+#: a wider one of the days its rows are due.
+SPAN_DAYS = 400
+
+
+def _day_start(at: dt.datetime | dt.date) -> dt.datetime:
+    day = at.astimezone(dt.UTC).date() if isinstance(at, dt.datetime) else at
+    return dt.datetime.combine(day, dt.time(), dt.UTC)
+
+
 _UNFINISHED = sorted(status.value for status in UNFINISHED_STATUSES)
 _STORAGE = ", ".join(f"{name} = {value}" for name, value in JOBS_STORAGE.items())
 
@@ -140,7 +150,8 @@ class Partitions:
     def ensure(self, conn: Connection, due_times: Iterable[dt.datetime]) -> None:
         """Make sure a partition holds each of ``due_times``, creating what
         is missing in ``conn``'s transaction (so the caller's next statement
-        sees it; it stays only if that transaction commits)."""
+        sees it; it stays only if that transaction commits). For a few
+        times: a bulk batch goes through :meth:`ensure_span`."""
         times = list(due_times)
         if not times:
             return
@@ -157,9 +168,17 @@ class Partitions:
         due_times: Iterable[dt.datetime],
     ) -> None:
         """:meth:`ensure` for a batch whose due times lie in ``[low, high]``:
-        free when the cached ranges hold that whole span."""
-        if not self.covers(self.known(), low, high):
-            self.ensure(conn, due_times)
+        free when the cached ranges hold that whole span. Otherwise each day
+        of the span is made sure of (a few, whatever the batch's size), or,
+        for a span longer than :data:`SPAN_DAYS`, each day a row is due."""
+        if self.covers(self.known(), low, high):
+            return
+        first = _day_start(low)
+        days = (high - first).days + 1
+        if days <= SPAN_DAYS:
+            self.ensure(conn, [first + dt.timedelta(days=i) for i in range(days)])
+        else:
+            self.ensure(conn, [_day_start(at) for at in {at.date() for at in due_times}])
 
     def _create_for(self, conn: Connection, due_times: Sequence[dt.datetime]) -> None:
         self._serialize(conn)
