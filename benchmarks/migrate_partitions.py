@@ -21,13 +21,10 @@ import time
 from typing import Any
 
 import psycopg
-import sqlalchemy as sa
 from _common import PG_URL, emit, load_avg, progress
-from alembic import command
-from alembic.config import Config
 
 from celery_sched.settings import Settings
-from celery_sched.store.postgres import MIGRATIONS_DIR, PostgresJobStore
+from celery_sched.store.postgres import PostgresJobStore
 from tests.e2e.harness import drop_schema, unique_name
 
 LOAD_BATCH = 1_000_000
@@ -56,14 +53,9 @@ def main() -> None:
     schema = unique_name("bench_migrate")
     settings = Settings(database_url=PG_URL, db_schema=schema, statement_timeout=3600.0)
     result: dict[str, Any] = {"rows": args.rows, "days": args.days}
-    engine = sa.create_engine(settings.database_url)
+    store = PostgresJobStore(settings)
     try:
-        with engine.begin() as conn:
-            config = Config()
-            config.set_main_option("script_location", str(MIGRATIONS_DIR))
-            config.attributes["connection"] = conn
-            config.attributes["schema"] = schema
-            command.upgrade(config, "0011")
+        store.migrate("0011")
         with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
             began = time.perf_counter()
             for start in range(1, args.rows + 1, LOAD_BATCH):
@@ -81,13 +73,9 @@ def main() -> None:
             conn.execute(f"VACUUM ANALYZE {schema}.jobs")  # type: ignore[arg-type]
             result["load_s"] = round(time.perf_counter() - began, 1)
 
-        store = PostgresJobStore(settings)
-        try:
-            began = time.perf_counter()
-            store.migrate()
-            seconds = time.perf_counter() - began
-        finally:
-            store.close()
+        began = time.perf_counter()
+        store.migrate()
+        seconds = time.perf_counter() - began
         with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
             rows = conn.execute(f"SELECT count(*) FROM {schema}.jobs").fetchone()[0]  # type: ignore[arg-type,index]
             keys = conn.execute(f"SELECT count(*) FROM {schema}.job_keys").fetchone()[0]  # type: ignore[arg-type,index]
@@ -105,7 +93,7 @@ def main() -> None:
         )
         progress("migrated %d rows in %.1f s (%d partitions)", rows, seconds, parts)
     finally:
-        engine.dispose()
+        store.close()
         drop_schema(PG_URL, schema)
     result["load_avg"] = load_avg()
     emit(result)

@@ -11,15 +11,12 @@ from typing import Any
 
 import psycopg
 import pytest
-import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
 
 from celery_sched.errors import DuplicateJob
 from celery_sched.models import JobStatus
 from celery_sched.settings import Settings
 from celery_sched.store.partitions import parse_name
-from celery_sched.store.postgres import MIGRATIONS_DIR, PostgresJobStore
+from celery_sched.store.postgres import PostgresJobStore
 from tests.contract.conftest import new_job
 
 pytestmark = pytest.mark.integration
@@ -219,16 +216,8 @@ def test_migration_moves_existing_rows_into_partitions(settings: Settings) -> No
     """A schema at 0011 with rows (past, today, months ahead, 2030; keyed and
     not) upgrades to partitions with every row, its keys unique after."""
     schema = settings.db_schema
-    engine = sa.create_engine(settings.database_url)
-    try:
-        with engine.begin() as conn:
-            config = Config()
-            config.set_main_option("script_location", str(MIGRATIONS_DIR))
-            config.attributes["connection"] = conn
-            config.attributes["schema"] = schema
-            command.upgrade(config, "0011")
-    finally:
-        engine.dispose()
+    store = PostgresJobStore(settings)
+    store.migrate("0011")
     now = dt.datetime.now(dt.UTC)
     dues = {
         "past": now - 3 * DAY,
@@ -245,7 +234,6 @@ def test_migration_moves_existing_rows_into_partitions(settings: Settings) -> No
                 "'application/json', 'utf-8', %s, 0)",
                 (keyless if key is None else uuid.uuid4(), key, due),
             )
-    store = PostgresJobStore(settings)
     try:
         store.migrate()
         assert store.counts_by_status() == {JobStatus.PENDING: 5}

@@ -15,9 +15,6 @@ from typing import Any
 
 import psycopg
 import pytest
-import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
 
 from celery_sched.errors import DuplicateJob, SchemaMissing, StoreUnavailable
 from celery_sched.models import Job, JobStatus, WorkerUpdate
@@ -211,16 +208,9 @@ def test_upgrading_to_0003_keeps_earlier_keys_and_stores_id_keys_once(settings: 
     """Rows written under 0002 keep their text keys and still answer to them;
     a new job whose key is its id stores NULL, and that key stays unique."""
     schema = settings.db_schema
-    engine = sa.create_engine(settings.database_url)
-    try:
-        with engine.begin() as conn:
-            config = Config()
-            config.set_main_option("script_location", str(MIGRATIONS_DIR))
-            config.attributes["connection"] = conn
-            config.attributes["schema"] = schema
-            command.upgrade(config, "0002")
-    finally:
-        engine.dispose()
+    early = PostgresJobStore(settings)
+    early.migrate("0002")
+    early.close()
     old = uuid.uuid4()
     with raw_connect(settings) as conn:
         conn.execute(

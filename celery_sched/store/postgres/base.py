@@ -52,7 +52,9 @@ class PostgresStoreBase(StoreLifecycle):
         """The SQLAlchemy engine, created on first use."""
         return self.database.engine
 
-    def migrate(self) -> None:
+    def migrate(self, revision: str = "head") -> None:
+        """Upgrade the schema to ``revision`` (the latest by default; an
+        earlier one for tests and benchmarks of a migration)."""
         from alembic import command
         from alembic.config import Config
 
@@ -69,7 +71,7 @@ class PostgresStoreBase(StoreLifecycle):
                 config.set_main_option("script_location", str(MIGRATIONS_DIR))
                 config.attributes["connection"] = conn
                 config.attributes["schema"] = schema
-                command.upgrade(config, "head")
+                command.upgrade(config, revision)
 
         self.database.retry(run, "migrate")
         self.partitions.forget()

@@ -42,7 +42,7 @@ from celery_sched.settings import Settings
 from celery_sched.store.postgres.base import PostgresStoreBase
 from celery_sched.store.postgres.bulk import JobCopy
 from celery_sched.store.postgres.connection import RawStatement, raw_cursor
-from celery_sched.store.postgres.keys import entry_of, stored_key
+from celery_sched.store.postgres.keys import release_keys, stored_key
 from celery_sched.store.postgres.listing import (
     CODE_POINT_COLLATIONS,
     Listing,
@@ -145,14 +145,7 @@ class JobQueries:
             .subquery("prunable")
         )
         pruned = delete(jobs).where(*same_row(jobs, prunable)).returning(c.key, c.id).cte("pruned")
-        job_keys = tables.job_keys
-        released = (
-            delete(job_keys)
-            .where(job_keys.c.key == entry_of(pruned), job_keys.c.job_id == pruned.c.id)
-            .returning(job_keys.c.key)
-            .cte("released")
-        )
-        self.prune = select(func.count()).select_from(pruned).add_cte(released)
+        self.prune = select(func.count()).select_from(pruned).add_cte(release_keys(tables, pruned))
 
 
 class PostgresJobs(PostgresStoreBase, Jobs):

@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Text, Uuid, and_, bindparam, cast, func, select
+from sqlalchemy import Text, Uuid, bindparam, cast, delete, func, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
@@ -135,8 +135,15 @@ class JobKeys:
                 free.append(job)
         return free
 
-    def released_with(self, gone: Any) -> ColumnElement[bool]:
-        """The WHERE clause deleting the entries of the rows of ``gone`` (a
-        CTE of deleted jobs returning ``key`` and ``id``)."""
-        keys = self.table.c
-        return and_(keys.key == entry_of(gone), keys.job_id == gone.c.id)
+
+def release_keys(tables: Tables, gone: Any) -> Any:
+    """The CTE deleting the ``job_keys`` entries of the jobs of ``gone`` (a
+    CTE of deleted jobs returning ``key`` and ``id``); add it to the
+    statement with ``add_cte`` (PostgreSQL runs every data-changing CTE)."""
+    keys = tables.job_keys
+    return (
+        delete(keys)
+        .where(keys.c.key == entry_of(gone), keys.c.job_id == gone.c.id)
+        .returning(keys.c.key)
+        .cte("released")
+    )

@@ -25,7 +25,7 @@ table of millions, with no index added on the insert path:
   A listing of every job, or of finished ones, reads those rows once per
   page: an index on ``due_at`` over the whole table would cost every
   insert and every claim an entry, for a command run by hand.
-- **Key prefix**: the unique key index ``jobs_key_key`` is a B-tree in the
+- **Key prefix**: the key index ``jobs_key_idx`` (per partition) is a B-tree in the
   database's collation. Under a code-point collation (``C``, ``POSIX``,
   ``C.UTF-8``) every key starting with ``p`` sorts in ``[p, p')`` with
   ``p'`` the prefix with its last character incremented, so that range is

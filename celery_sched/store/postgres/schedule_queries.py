@@ -40,7 +40,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from celery_sched.models import UNFINISHED_STATUSES
 from celery_sched.store.postgres.bulk import COPY_COLUMNS, SCHEDULE_COPY_COLUMNS, copy_sql
-from celery_sched.store.postgres.keys import entry_of
+from celery_sched.store.postgres.keys import release_keys
 from celery_sched.store.postgres.statements import PENDING, Tables, job_columns, text_array
 
 #: What a user defines (the static sync compares these); the first four
@@ -259,14 +259,9 @@ class ScheduleQueries:
             .cte("withdrawn")
         )
         # Their occurrence keys are free again (planned anew on resume).
-        job_keys = tables.job_keys
-        released = (
-            delete(job_keys)
-            .where(job_keys.c.key == entry_of(withdrawn), job_keys.c.job_id == withdrawn.c.id)
-            .returning(job_keys.c.key)
-            .cte("released")
+        self.withdraw = select(withdrawn.c.schedule_id, withdrawn.c.due_at).add_cte(
+            release_keys(tables, withdrawn)
         )
-        self.withdraw = select(withdrawn.c.schedule_id, withdrawn.c.due_at).add_cte(released)
         self.roll_back = (
             update(s)
             .where(s.c.id == bindparam("p_id"))

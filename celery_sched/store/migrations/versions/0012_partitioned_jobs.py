@@ -73,17 +73,25 @@ def _partition(conn: sa.Connection, schema: str, rng: PartitionRange) -> None:
     )
 
 
-def upgrade() -> None:
-    schema = _schema()
-    conn = op.get_bind()
+def _set_aside(conn: sa.Connection, schema: str, aside: str, layout: str) -> list[tuple[str, str]]:
+    """Rename ``jobs`` (and its indexes) to ``aside`` and create an empty
+    ``jobs`` like it (``layout``: what follows the column list); return the
+    definitions of the old indexes, to build them again on the new table."""
     definitions = _index_definitions(conn, schema, "jobs")
-    conn.exec_driver_sql(f'ALTER TABLE "{schema}".jobs RENAME TO {_OLD}')
+    conn.exec_driver_sql(f'ALTER TABLE "{schema}".jobs RENAME TO {aside}')
     for name, _ in definitions:
         conn.exec_driver_sql(f'ALTER INDEX "{schema}"."{name}" RENAME TO "{name}_old"')
     conn.exec_driver_sql(
-        f'CREATE TABLE "{schema}".jobs (LIKE "{schema}".{_OLD} '
-        "INCLUDING DEFAULTS INCLUDING CONSTRAINTS) PARTITION BY RANGE (due_at)"
+        f'CREATE TABLE "{schema}".jobs (LIKE "{schema}".{aside} '
+        f"INCLUDING DEFAULTS INCLUDING CONSTRAINTS) {layout}"
     )
+    return definitions
+
+
+def upgrade() -> None:
+    schema = _schema()
+    conn = op.get_bind()
+    definitions = _set_aside(conn, schema, _OLD, "PARTITION BY RANGE (due_at)")
 
     # A partition for every day a stored job is due (the leader and the
     # inserts create the others as they need them).
@@ -125,14 +133,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     schema = _schema()
     conn = op.get_bind()
-    definitions = _index_definitions(conn, schema, "jobs")
-    conn.exec_driver_sql(f'ALTER TABLE "{schema}".jobs RENAME TO jobs_partitioned')
-    for name, _ in definitions:
-        conn.exec_driver_sql(f'ALTER INDEX "{schema}"."{name}" RENAME TO "{name}_old"')
-    conn.exec_driver_sql(
-        f'CREATE TABLE "{schema}".jobs (LIKE "{schema}".jobs_partitioned '
-        f"INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH ({_STORAGE})"
-    )
+    definitions = _set_aside(conn, schema, "jobs_partitioned", f"WITH ({_STORAGE})")
     conn.exec_driver_sql(f'INSERT INTO "{schema}".jobs SELECT * FROM "{schema}".jobs_partitioned')
     conn.exec_driver_sql(f'ALTER TABLE "{schema}".jobs ADD PRIMARY KEY (id)')
     for name, definition in definitions:
