@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import Connection
 
-from celery_sched.models import JobStatus
+from celery_sched.models import SENT_DUE_MARGIN, JobStatus
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
 from celery_sched.store.postgres.connection import RawStatement, raw_cursor
@@ -61,8 +61,10 @@ def claimed(conn: Connection, stmt: Any, **params: Any) -> list[Any]:
     """Ids a claim statement claims inside ``conn``'s transaction, run as
     the store runs it (precompiled, on the raw cursor)."""
     raw = RawStatement(stmt)
+    # The partition bound a claim gets from its epoch fence: a day ahead.
+    horizon = dt.datetime.now(dt.UTC) + SENT_DUE_MARGIN
     with raw_cursor(conn) as cur:
-        cur.execute(raw.sql, raw.params(p_epoch=1, **params))
+        cur.execute(raw.sql, raw.params(p_epoch=1, p_horizon=horizon, **params))
         return [row[0] for row in cur.fetchall()]
 
 

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection
 from celery_sched.errors import DuplicateJob, MissingPartition, StaleEpoch, StoreError
 from celery_sched.interfaces import Jobs
 from celery_sched.models import (
+    SENT_DUE_MARGIN,
     Job,
     JobQuery,
     JobStatus,
@@ -87,7 +88,7 @@ class JobQueries:
 
         # -- leadership --
         self.epoch_for_share = (
-            select(leaders.c.epoch)
+            select(leaders.c.epoch, func.now())
             .where(leaders.c.shard == bindparam("p_shard"))
             .with_for_update(read=True)
         )
@@ -161,17 +162,21 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         #: The database's collation, read on the first key-prefix listing.
         self._key_collation: str | None = None
 
-    def _fence(self, conn: Connection, shard: int, epoch: int) -> None:
+    def _fence(self, conn: Connection, shard: int, epoch: int) -> dt.datetime:
         # FOR SHARE on the shard's leaders row: acquire_epoch's UPDATE of that
         # row must wait until this claim commits, and a claim that starts after
         # the bump reads the new epoch and is refused. So once acquire_epoch
         # returns, no transaction of an older epoch can still be moving rows.
-        current = conn.execute(self._jq.epoch_for_share, {"p_shard": shard}).scalar_one_or_none()
+        row = conn.execute(self._jq.epoch_for_share, {"p_shard": shard}).first()
+        current = None if row is None else row[0]
         # No leaders row means no leader was ever elected: nobody may claim.
-        if current is None or current != epoch:
+        if row is None or current != epoch:
             raise StaleEpoch(
                 f"epoch {epoch} is stale for shard {shard}: the current epoch is {current or 0}"
             )
+        # The database's clock, for the claim's partition bound (claim_horizon).
+        now: dt.datetime = row[1]
+        return now + SENT_DUE_MARGIN
 
     # -- writing jobs -------------------------------------------------------
 
@@ -451,8 +456,8 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             return []
 
         def claim(conn: Connection) -> list[Job]:
-            self._fence(conn, shard, epoch)
-            params = {"p_shard": shard, "p_epoch": epoch, "p_limit": limit}
+            horizon = self._fence(conn, shard, epoch)
+            params = {"p_shard": shard, "p_epoch": epoch, "p_limit": limit, "p_horizon": horizon}
             return _claimed_jobs(conn, self._claim_due, params)
 
         return _sort_due(self.database.transaction("claim_due", claim))
@@ -461,10 +466,10 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         id_list = list(ids)
 
         def claim(conn: Connection) -> list[Job]:
-            self._fence(conn, shard, epoch)
+            horizon = self._fence(conn, shard, epoch)
             if not id_list:
                 return []
-            params = {"ids": id_list, "p_shard": shard, "p_epoch": epoch}
+            params = {"ids": id_list, "p_shard": shard, "p_epoch": epoch, "p_horizon": horizon}
             return _claimed_jobs(conn, self._claim_ids, params)
 
         return _sort_due(self.database.transaction("claim_ids", claim))
@@ -736,7 +741,10 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         """The query plan of :meth:`claim_due` (EXPLAIN, nothing is claimed)."""
         compiled = self.statements.claim_due.compile(dialect=self.engine.dialect)
         sql = "EXPLAIN " + str(compiled)
-        params = compiled.construct_params({"p_shard": shard, "p_epoch": 0, "p_limit": limit})
+        horizon = self.now() + SENT_DUE_MARGIN
+        params = compiled.construct_params(
+            {"p_shard": shard, "p_epoch": 0, "p_limit": limit, "p_horizon": horizon}
+        )
         rows = self.database.transaction(
             "explain_claim", lambda conn: conn.exec_driver_sql(sql, params).all()
         )
@@ -751,7 +759,10 @@ def _claimed_jobs(conn: Connection, stmt: RawStatement, params: dict[str, Any]) 
     :class:`Job` with psycopg's C row loading (SQLAlchemy's per-row work
     costs several times the statement)."""
     with raw_cursor(conn) as cur:
-        cur.execute(stmt.sql, stmt.params(**params))
+        # Never prepared: planned with its values each time, so the
+        # partitions past p_horizon are left out of the plan (a prepared
+        # generic plan would hold every partition, and sort the backlog).
+        cur.execute(stmt.sql, stmt.params(**params), prepare=False)
         names = [column.name for column in cur.description or ()]
         rows = cur.fetchall()
         options_at = names.index("options")
