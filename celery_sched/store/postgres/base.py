@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
+from celery_sched.errors import MissingPartition
 from celery_sched.interfaces import StoreLifecycle
 from celery_sched.settings import Settings
 from celery_sched.store.postgres.connection import Database
@@ -19,6 +22,8 @@ from celery_sched.store.postgres.statements import Statements
 from celery_sched.timeutil import ensure_utc
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -76,6 +81,15 @@ class PostgresStoreBase(StoreLifecycle):
         self.database.retry(run, "migrate")
         self.partitions.forget()
         logger.info("celery_sched schema %r is up to date", schema)
+
+    def with_partitions(self, write: Callable[[], T]) -> T:
+        """Run ``write``; once more after reading the partition list again
+        should a partition it counted on be gone (:class:`MissingPartition`)."""
+        try:
+            return write()
+        except MissingPartition:
+            self.partitions.forget()
+            return write()
 
     def close(self) -> None:
         self.database.close()

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection
 from celery_sched.errors import DuplicateJob, MissingPartition
 from celery_sched.models import NEW_JOB_ROW, NewJobRow
 from celery_sched.store.postgres.connection import Database, is_transient
+from celery_sched.store.postgres.keys import key_entry
 from celery_sched.store.postgres.partitioning import Partitions
 
 logger = logging.getLogger(__name__)
@@ -258,12 +259,10 @@ class _Load:
                     if not self.count & SAMPLE_MASK:
                         self.sampled.append(due)
                     key, job_id = row[1], row[0]
-                    if key is None:
-                        if (job_id.int >> 76) & 0xF != 7:  # not a generated id: keys.key_entry
-                            keys.append((str(job_id), job_id))
-                        continue
-                    keys.append((key, job_id))
-                    if len(key) == _UUID_TEXT and key == str(job_id):
+                    entry = key_entry(key, job_id)
+                    if entry is not None:
+                        keys.append((entry, job_id))
+                    if key is not None and len(key) == _UUID_TEXT and key == str(job_id):
                         chosen.append(job_id)
             self._finish_segment(cur, keys, chosen)
             if pending is None:

@@ -19,7 +19,7 @@ from sqlalchemy import Row, Select, bindparam, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 
-from celery_sched.errors import DuplicateJob, MissingPartition, StaleEpoch, StoreError
+from celery_sched.errors import DuplicateJob, StaleEpoch, StoreError
 from celery_sched.interfaces import Jobs
 from celery_sched.models import (
     SENT_DUE_MARGIN,
@@ -210,7 +210,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             nonlocal attempts
             attempts += 1
             try:
-                return self._with_partitions(lambda: db.guard(in_transaction, "add_job"))
+                return self.with_partitions(lambda: db.guard(in_transaction, "add_job"))
             except DuplicateJob:
                 # A retry after a lost commit acknowledgement finds our own
                 # row (same id): that is success, not a duplicate.
@@ -253,20 +253,11 @@ class PostgresJobs(PostgresStoreBase, Jobs):
                 written.extend(conn.execute(stmt).scalars())
             return written
 
-        return self._with_partitions(lambda: self.database.transaction("add_occurrences", write))
+        return self.with_partitions(lambda: self.database.transaction("add_occurrences", write))
 
     def _ensure_now(self, conn: Connection) -> None:
         """The partition of now, where a job requeued by hand moves (due now)."""
         self.partitions.ensure(conn, [conn.execute(_NOW).scalar_one()])
-
-    def _with_partitions(self, write: Callable[[], T]) -> T:
-        """Run ``write``; once more after reading the partition list again
-        should a partition it counted on be gone (:class:`MissingPartition`)."""
-        try:
-            return write()
-        except MissingPartition:
-            self.partitions.forget()
-            return write()
 
     # -- reading ------------------------------------------------------------
 
@@ -379,7 +370,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             }
             return requeue_result(wanted, moved, statuses)
 
-        result = self._with_partitions(lambda: self.database.transaction("requeue", run))
+        result = self.with_partitions(lambda: self.database.transaction("requeue", run))
         if result.requeued:
             logger.info("requeued %d jobs by hand", len(result.requeued))
         return result
@@ -408,7 +399,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             self._ensure_now(conn)
             return [job_of(row) for row in conn.execute(stmt, params)]
 
-        moved = self._with_partitions(lambda: self.database.transaction("requeue_dead", run))
+        moved = self.with_partitions(lambda: self.database.transaction("requeue_dead", run))
         return sorted(moved, key=lambda job: (job.due_at, job.id.bytes))
 
     # -- leadership fencing -------------------------------------------------

@@ -17,7 +17,6 @@ from sqlalchemy.engine import Connection
 from celery_sched.errors import (
     DuplicateJob,
     InvalidSchedule,
-    MissingPartition,
     ScheduleExists,
     UnknownSchedule,
 )
@@ -235,11 +234,7 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
                 row = conn.execute(self._get_by_key, key_params(job.key)).one()
             return job_of(row)
 
-        try:
-            return self.database.transaction("trigger_occurrence", write)
-        except MissingPartition:
-            self.partitions.forget()
-            return self.database.transaction("trigger_occurrence", write)
+        return self.with_partitions(lambda: self.database.transaction("trigger_occurrence", write))
 
     def sync_static_schedules(self, schedules: Sequence[NewSchedule]) -> SyncResult:
         rows = [_schedule_values(schedule) for schedule in schedules]
@@ -345,11 +340,7 @@ class PostgresScheduleStore(PostgresStoreBase, ScheduleStore):
                 written.extend((job_id, ensure_utc(due), shard) for job_id, due, shard in result)
             return PlanCommit(written=written, stale=len(ordered) - len(applied), busy=busy)
 
-        try:
-            return self.database.transaction("commit_plans", write)
-        except MissingPartition:
-            self.partitions.forget()
-            return self.database.transaction("commit_plans", write)
+        return self.with_partitions(lambda: self.database.transaction("commit_plans", write))
 
     def mark_schedule_broken(self, schedule_id: int, *, version: int, reason: str) -> bool:
         marked = self.database.rowcount(
