@@ -269,3 +269,25 @@ def test_a_bulk_load_in_any_order_creates_each_partition_once_and_loses_no_row(
     assert "jobs_20310101_20320101" in names and "jobs_20330101_20340101" in names
     # Keys of their own and (version 4) ids given as keys are all in job_keys.
     assert len(job_keys(settings)) == 2 * len(dues)
+
+
+def test_the_look_for_stranded_jobs_in_flight_reads_only_their_indexes(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    # Shard 0's leader looks every 30 s; reading every partition whole
+    # (one "status IN (...)" test matches no partial index) took seconds
+    # with millions of future jobs stored.
+    now = store.now()
+    store.load_jobs(
+        [new_job(f"f{i}", now + DAY + i * dt.timedelta(seconds=1)) for i in range(20_000)]
+    )
+    with raw(settings) as conn:
+        conn.execute(f'ANALYZE "{settings.db_schema}".jobs')
+    loaded = partition_of(settings, "f0")
+    sql = str(store.statements.stranded_in_flight.compile(dialect=store.engine.dialect))
+    with raw(settings) as conn:
+        rows = conn.execute(f"EXPLAIN (COSTS OFF) {sql}", {"p_shards": 1, "p_limit": 500})
+        plan = "\n".join(row[0] for row in rows)
+    assert f"Seq Scan on {loaded}" not in plan, plan
+    for index in ("jobs_dispatched_idx", "jobs_running_idx", "jobs_retrying_idx"):
+        assert f"{index}_" in plan, plan

@@ -516,16 +516,18 @@ def stranded_in_flight(t: Tables) -> Select[Any]:
     """Up to ``p_limit`` dispatched, running or retrying jobs in shards
     ``>= p_shards``, soonest due first."""
     c = t.jobs.c
-    # Few rows: each status's partial index holds only the jobs in flight.
-    return (
-        select(*_rehome_columns(t))
-        .where(
-            c.status.in_([DISPATCHED, RUNNING, RETRYING]),
-            c.shard >= bindparam("p_shards", type_=c.shard.type),
+    # One branch per status, each reading that status's partial index (only
+    # the jobs in flight). One test of "status IN (...)" matches none of
+    # those indexes: PostgreSQL read every partition whole instead (1.7 s a
+    # look with 10M future jobs stored, every 30 s on shard 0's leader).
+    p_shards = bindparam("p_shards", type_=c.shard.type)
+    in_flight = union_all(
+        *(
+            select(*_rehome_columns(t)).where(status == c.status, c.shard >= p_shards)
+            for status in (DISPATCHED, RUNNING, RETRYING)
         )
-        .order_by(c.due_at)
-        .limit(bindparam("p_limit"))
-    )
+    ).subquery("in_flight")
+    return select(in_flight).order_by(in_flight.c.due_at).limit(bindparam("p_limit"))
 
 
 def _unfinished_in_id_order(t: Tables, *tests: ColumnElement[bool]) -> Select[Any]:
