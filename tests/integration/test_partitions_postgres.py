@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from celery_sched.errors import DuplicateJob
+from celery_sched.ids import UUID7Source
 from celery_sched.models import JobStatus
 from celery_sched.settings import Settings
 from celery_sched.store.partitions import parse_name
@@ -291,3 +292,25 @@ def test_the_look_for_stranded_jobs_in_flight_reads_only_their_indexes(
     assert f"Seq Scan on {loaded}" not in plan, plan
     for index in ("jobs_dispatched_idx", "jobs_running_idx", "jobs_retrying_idx"):
         assert f"{index}_" in plan, plan
+
+
+def test_a_callers_version_7_uuid_key_is_one_job_whatever_the_day(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    # Version-7 ids take no job_keys entry; one the caller chose as a key is
+    # still checked against every partition. Bulk rows keep a caller's key
+    # text (JobBuilder.build_row), which tells it from a generated id.
+    now = store.now()
+    mine = UUID7Source().next()
+
+    def row(due: dt.datetime) -> Any:
+        return (mine, str(mine), *new_job(str(mine), due, id=mine).as_row()[2:])
+
+    store.load_job_rows([row(now + DAY)])
+    for due in (now + 3 * DAY, now + 90 * DAY):
+        with pytest.raises(DuplicateJob):
+            store.load_job_rows([new_job("other", due).as_row(), row(due)])
+        with pytest.raises(DuplicateJob):
+            store.add_job(new_job(str(mine), due, id=mine))
+    assert store.counts_by_status() == {JobStatus.PENDING: 1}
+    assert job_keys(settings) == {str(mine)}

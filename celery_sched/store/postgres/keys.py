@@ -14,9 +14,11 @@ jobs take an entry (:func:`key_entry`):
   ordered, 74 random bits), unique by construction, for every job
   scheduled without a key, the bulk case; ``add_job`` still locks such an
   id (an advisory lock on its hash, held to commit) and looks it up in every
-  partition, which a single insert can afford. Only a caller who bulk-loads
-  their own version-7 UUIDs as keys twice, at different due times, is not
-  stopped (README, "Storage that stays flat").
+  partition, which a single insert can afford. A version-7 UUID a caller
+  chose as the key is not generated: ``Client.schedule_many``'s rows keep
+  its text (``JobBuilder.build_row``), so it takes an entry like any caller
+  key. Only ``JobStore.load_jobs`` of bare :class:`NewJob` values, which
+  cannot tell a chosen id from a generated one, treats it as generated.
 
 Each insert path takes the entry first, in the job's transaction:
 ``add_job`` inserts it (a taken key is a unique violation on
