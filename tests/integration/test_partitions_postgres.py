@@ -5,6 +5,7 @@ migration of a table with rows in it, and the plans of statements by id."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -314,3 +315,57 @@ def test_a_callers_version_7_uuid_key_is_one_job_whatever_the_day(
             store.add_job(new_job(str(mine), due, id=mine))
     assert store.counts_by_status() == {JobStatus.PENDING: 1}
     assert job_keys(settings) == {str(mine)}
+
+
+def test_a_version_7_key_added_alone_holds_its_entry_against_a_later_bulk_load(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    # add_job of a v7 key (Client.schedule) comes first this time: its
+    # entry is what a bulk load of the same key text, another day, meets.
+    now = store.now()
+    mine = UUID7Source().next()
+    first = store.add_job(new_job(str(mine), now + DAY, id=mine))
+    assert job_keys(settings) == {str(mine)}
+    bulk_row = (mine, str(mine), *new_job(str(mine), now + 5 * DAY, id=mine).as_row()[2:])
+    with pytest.raises(DuplicateJob):
+        store.load_job_rows([new_job("other", now + 5 * DAY).as_row(), bulk_row])
+    assert store.add_job(new_job(str(mine), now + 40 * DAY, id=mine), if_exists="return") == first
+    assert store.counts_by_status() == {JobStatus.PENDING: 1}
+    assert store.get(str(mine)) == first
+
+
+def test_a_version_7_key_added_alone_waits_for_a_bulk_load_of_it_in_flight(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    # A bulk load has written the key's row and entry but not committed (as
+    # its COPYs leave them); add_job of the same key, another day, must wait
+    # for it and then find the key taken, not look, see nothing and insert.
+    now = store.now()
+    mine = UUID7Source().next()
+    store.ensure_partitions([now + DAY, now + 2 * DAY])
+    schema = settings.db_schema
+    outcome: list[BaseException | None] = []
+    with psycopg.connect(settings.libpq_conninfo()) as bulk:
+        bulk.execute(
+            f'INSERT INTO "{schema}".jobs (id, key, task, body, content_type, '
+            "content_encoding, due_at, due_bucket, max_attempts, shard) "
+            "VALUES (%s, %s, 't', '', 'application/json', 'utf-8', %s, 0, 3, 0)",
+            (mine, str(mine), now + DAY),
+        )
+        bulk.execute(f'INSERT INTO "{schema}".job_keys VALUES (%s, %s)', (str(mine), mine))
+
+        def add() -> None:
+            try:
+                store.add_job(new_job(str(mine), now + 2 * DAY, id=mine))
+                outcome.append(None)
+            except BaseException as exc:  # the test reads it
+                outcome.append(exc)
+
+        adder = threading.Thread(target=add)
+        adder.start()
+        adder.join(1.0)
+        assert adder.is_alive(), outcome  # waiting on the uncommitted entry
+        bulk.commit()
+    adder.join(10.0)
+    assert len(outcome) == 1 and isinstance(outcome[0], DuplicateJob), outcome
+    assert store.counts_by_status() == {JobStatus.PENDING: 1}

@@ -10,11 +10,12 @@ jobs take an entry (:func:`key_entry`):
 - a job keyed by its id whose id is not a version-7 UUID: a caller's UUID
   given as the key (Celery task ids are version 4); the entry is the id's
   text;
-- not a job keyed by a version-7 id: celery_sched generates those (time
-  ordered, 74 random bits), unique by construction, for every job
-  scheduled without a key, the bulk case; ``add_job`` still locks such an
-  id (an advisory lock on its hash, held to commit) and looks it up in every
-  partition, which a single insert can afford. A version-7 UUID a caller
+- not a job keyed by a version-7 id in a bulk load: celery_sched generates
+  those (time ordered, 74 random bits), unique by construction, for every
+  job scheduled without a key, the bulk case. ``add_job`` of such an id
+  locks it (an advisory lock on its hash, held to commit), looks it up in
+  every partition (a job loaded in bulk has no entry) and then takes the
+  id's entry, which a single insert can afford. A version-7 UUID a caller
   chose as the key is not generated: ``Client.schedule_many``'s rows keep
   its text (``JobBuilder.build_row``), so it takes an entry like any caller
   key. Only ``JobStore.load_jobs`` of bare :class:`NewJob` values, which
@@ -108,7 +109,11 @@ class JobKeys:
         entry = key_entry(stored_key(job), job.id)
         if entry is None:
             conn.execute(self.lock_id, {"p_id": job.id})
-            return conn.execute(self.id_taken, {"p_id": job.id}).first() is None
+            if conn.execute(self.id_taken, {"p_id": job.id}).first() is not None:
+                return False
+            # The id's entry too, which a bulk load of the same id chosen as
+            # a key (its text kept) meets even while neither has committed.
+            entry = str(job.id)
         params = {"p_key": entry, "p_id": job.id}
         if or_raise:
             conn.execute(self.take, params)
