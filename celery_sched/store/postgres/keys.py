@@ -13,12 +13,12 @@ jobs take an entry (:func:`key_entry`):
 - not a job keyed by a version-7 id in a bulk load: celery_sched generates
   those (time ordered, 74 random bits), unique by construction, for every
   job scheduled without a key, the bulk case. ``add_job`` of such an id
-  locks it (an advisory lock on its hash, held to commit), looks it up in
-  every partition (a job loaded in bulk has no entry) and then takes the
-  id's entry, which a single insert can afford. A version-7 UUID a caller
-  chose as the key is not generated: ``Client.schedule_many``'s rows keep
-  its text (``JobBuilder.build_row``), so it takes an entry like any caller
-  key. Only ``JobStore.load_jobs`` of bare :class:`NewJob` values, which
+  looks it up in every partition (a job loaded in bulk has no entry) and
+  then takes the id's entry, which a single insert can afford; the entry
+  serializes it with any other writer of the id, in bulk or not. A
+  version-7 UUID a caller chose as the key is not generated:
+  ``Client.schedule_many``'s rows keep its text (``JobBuilder.build_row``),
+  so it takes an entry like any caller key. Only ``JobStore.load_jobs`` of bare :class:`NewJob` values, which
   cannot tell a chosen id from a generated one, treats it as generated.
 
 Each insert path takes the entry first, in the job's transaction:
@@ -85,14 +85,9 @@ class JobKeys:
             func.unnest(bindparam("p_keys", type_=ARRAY(Text))).label("key"),
             func.unnest(bindparam("p_ids", type_=ARRAY(Uuid))).label("job_id"),
         )
-        # A job keyed by its id: ids are unique only with their due time in
-        # jobs, so a single insert locks the id (an advisory lock on its
-        # hash, held to commit) and looks it up in every partition. Bulk
-        # loads skip this: their keyless ids are generated, unique by
-        # construction.
-        self.lock_id = select(
-            func.pg_advisory_xact_lock(func.hashtextextended(cast(bindparam("p_id"), Text), 0))
-        )
+        # A job keyed by its v7 id: ids are unique only with their due time
+        # in jobs, and a bulk load's generated ids take no entry, so a single
+        # insert looks the id up in every partition before taking its entry.
         jobs = tables.jobs
         self.id_taken = select(jobs.c.id).where(jobs.c.id == bindparam("p_id")).limit(1)
         self.take_free = (
@@ -103,16 +98,14 @@ class JobKeys:
         )
 
     def is_free(self, conn: Connection, job: NewJob, *, or_raise: bool) -> bool:
-        """Take ``job``'s entry (or, keyed by a v7 id, lock the id and look
-        it up); whether its key was free. ``or_raise``: a taken key raises
-        the unique violation (DuplicateJob) instead."""
+        """Take ``job``'s entry (keyed by a v7 id: the id's text, once no
+        partition holds the id); whether its key was free. ``or_raise``: a
+        taken key raises the unique violation (DuplicateJob) instead. Two
+        writers of one key, whichever the path, serialize on the entry."""
         entry = key_entry(stored_key(job), job.id)
         if entry is None:
-            conn.execute(self.lock_id, {"p_id": job.id})
             if conn.execute(self.id_taken, {"p_id": job.id}).first() is not None:
                 return False
-            # The id's entry too, which a bulk load of the same id chosen as
-            # a key (its text kept) meets even while neither has committed.
             entry = str(job.id)
         params = {"p_key": entry, "p_id": job.id}
         if or_raise:
