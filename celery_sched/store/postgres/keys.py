@@ -18,8 +18,9 @@ jobs take an entry (:func:`key_entry`):
   serializes it with any other writer of the id, in bulk or not. A
   version-7 UUID a caller chose as the key is not generated:
   ``Client.schedule_many``'s rows keep its text (``JobBuilder.build_row``),
-  so it takes an entry like any caller key. Only ``JobStore.load_jobs`` of bare :class:`NewJob` values, which
-  cannot tell a chosen id from a generated one, treats it as generated.
+  so it takes an entry like any caller key. Only ``JobStore.load_jobs`` of
+  bare :class:`NewJob` values, which cannot tell a chosen id from a
+  generated one, treats it as generated.
 
 Each insert path takes the entry first, in the job's transaction:
 ``add_job`` inserts it (a taken key is a unique violation on
