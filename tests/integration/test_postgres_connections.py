@@ -124,6 +124,7 @@ monkey.patch_all()
 import json
 import os
 import sys
+import time
 import uuid
 
 import gevent
@@ -153,6 +154,11 @@ gevent.joinall(greenlets, raise_error=True)
 watcher.kill()
 held = worker_connections(settings)
 store.close()
+# As with threads: the server ends a closed connection's backend a moment
+# after the client hung up.
+deadline = time.monotonic() + 10
+while worker_connections(settings) and time.monotonic() < deadline:
+    gevent.sleep(0.05)
 json.dump(
     {
         "results": [g.value for g in greenlets],
