@@ -80,3 +80,16 @@ def _can_build_uuid_directly() -> bool:
         return probe == uuid.UUID("12345678-1234-4123-8123-123456789abc") and probe.version == 4
     except Exception:
         return False
+
+
+def new_claim_id() -> int:
+    """A claim's id: 63 random bits from the OS (never shared by two
+    claims, even of beats forked from one process), positive to fit a
+    PostgreSQL ``bigint``. Each try of a claim draws its own, so a claim
+    whose COMMIT was lost and retried cannot pass for the retry's."""
+    return int.from_bytes(os.urandom(8), "big") >> 1 or 1
+
+
+def new_epoch_salt() -> int:
+    """Random low bits for :func:`celery_sched.models.next_epoch` (one per election)."""
+    return int.from_bytes(os.urandom(4), "big")

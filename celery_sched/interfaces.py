@@ -241,15 +241,29 @@ class Jobs(StoreLifecycle):
         """Claim up to ``limit`` pending jobs with ``due_at <= now()``.
 
         One transaction: pending -> dispatched, ``dispatched_at = now()``,
-        ``leader_epoch = epoch``; oldest due first; rows locked by another
-        claimer are skipped. Raises :class:`~celery_sched.errors.StaleEpoch`
-        (claiming nothing) when ``epoch`` is not the shard's current epoch.
+        ``leader_epoch = epoch``, ``claim_id`` a new random id shared by the
+        claim's jobs (a retried try draws another); oldest due first; rows
+        locked by another claimer are skipped. Raises
+        :class:`~celery_sched.errors.StaleEpoch` (claiming nothing) when
+        ``epoch`` is not the shard's current epoch.
         """
 
     @abc.abstractmethod
     def claim_ids(self, ids: Sequence[uuid.UUID], *, shard: int, epoch: int) -> list[Job]:
         """Like :meth:`claim_due`, restricted to ``ids``; ids that are not
         pending or not yet due are ignored."""
+
+    @abc.abstractmethod
+    def record_published(self, claim_ids: Sequence[int], *, shard: int) -> None:
+        """Record that the claims ``claim_ids`` went out: every job of theirs
+        still ``dispatched`` was published.
+
+        Unfenced (a fact, not a transition) and idempotent. Call it only once
+        every job of the claim that was not sent left ``dispatched``
+        (released, expired, failed or missed): :meth:`reconcile` marks the
+        dispatched jobs of a recorded claim ``sent`` when no worker tracks
+        their task, and requeues those of a claim never recorded.
+        """
 
     @abc.abstractmethod
     def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
@@ -354,10 +368,12 @@ class Jobs(StoreLifecycle):
 
         Only jobs whose task some worker process tracks: a heartbeat row
         (live or not yet pruned) lists the task or lists none (see
-        :meth:`WorkerReports.heartbeat`). A stale dispatched job whose task
-        no worker tracks is not requeued (nothing would report that it ran,
-        so a requeue could only run it twice): it becomes ``sent``, finished,
-        counted in ``untracked``.
+        :meth:`WorkerReports.heartbeat`), or whose claim was never recorded
+        as published (:meth:`record_published`; jobs claimed before that
+        record existed count as published). A stale dispatched job whose
+        task no worker tracks and whose claim went out is not requeued
+        (nothing would report that it ran, so a requeue could only run it
+        twice): it becomes ``sent``, finished, counted in ``untracked``.
 
         Also ``retrying`` jobs whose retry was due (their ``dispatched_at``,
         see :meth:`mark_retrying`) longer ago than their visibility timeout:
@@ -779,7 +795,7 @@ class PublishResult:
       published; retrying at once would fail the same way.
     - ``expired``: expired at ``now``, not sent.
     - ``withheld``: not attempted because ``may_publish`` said no (the
-      lease is gone): the caller must not touch them either.
+      lease is gone): the caller releases them, fenced by the claim's epoch.
     """
 
     sent: list[uuid.UUID] = dataclasses.field(default_factory=list)

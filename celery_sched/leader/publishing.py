@@ -16,12 +16,21 @@ What happens to a batch's jobs:
 - not sent because the broker is down: released to ``pending`` (fenced),
   then :class:`~celery_sched.errors.PublishError` is raised so the loop
   backs off;
-- withheld because the lease ran out mid-batch: left ``dispatched``,
-  untouched (a stale leader writes nothing) for the next leader's reconciler.
+- withheld because the lease ran out mid-batch: released to ``pending``
+  (fenced by the claim's epoch and the row still being ``dispatched``, so a
+  stale leader's release touches only what it claimed and nobody took
+  since).
 
-Failures: should a settling write fail, the rows stay ``dispatched`` and the
-reconciler requeues them (logged at WARNING, never raised). Should the
-dispatcher itself raise, that propagates to the duty that published.
+Once every job not sent has left ``dispatched``, the batch's claim is
+recorded as published (:meth:`~celery_sched.interfaces.Jobs.record_published`).
+The reconciler marks a dispatched job that no worker tracks ``sent`` only
+when its claim was recorded; it requeues any other, so a job claimed by a
+beat that died before publishing is sent again instead of ending ``sent``.
+
+Failures: should a settling write fail, the rows stay ``dispatched``, the
+claim is not recorded and the reconciler requeues them (logged at WARNING,
+never raised). Should the dispatcher itself raise, that propagates to the
+duty that published, the claim unrecorded.
 """
 
 from __future__ import annotations
@@ -109,36 +118,58 @@ class Publisher:
                 dues = [job.due_at for job in jobs if job.id in ids]
             stats.dispatch_lag.observe_lags(self._store_clock.now(), dues)
             stats.progress_at = self._store_clock.monotonic()
+        # Every job not sent leaves ``dispatched`` here, even once the lease
+        # is gone: each write is fenced by the claim's epoch and by the row
+        # still being dispatched, so it can only touch rows this term
+        # claimed and nobody has requeued or claimed since.
+        settled = True
         if result.withheld:
             stats.withheld += len(result.withheld)
             stats.count(stats.publish_failures, "withheld", len(result.withheld))
             logger.warning(
-                "shard %d: the lease of epoch %d ran out while publishing; %d jobs left "
-                "dispatched for the next leader's reconciler",
+                "shard %d: the lease of epoch %d ran out while publishing; releasing the %d "
+                "jobs not sent",
                 self._shard,
                 epoch,
                 len(result.withheld),
             )
-        if not self.holds(epoch):
-            # A stale leader writes nothing more: the rows stay dispatched.
-            return
+            settled &= self.settle("release", result.withheld, epoch)
         if result.expired:
-            self.settle("expire", result.expired, epoch)
+            settled &= self.settle("expire", result.expired, epoch)
         if result.rejected:
             stats.count(stats.publish_failures, "rejected", len(result.rejected))
-            self._fail(result.rejected, epoch)
+            settled &= self._fail(result.rejected, epoch)
         if result.failed:
             stats.count(stats.publish_failures, "broker", len(result.failed))
             logger.warning("%d jobs failed to publish; releasing them", len(result.failed))
-            self.settle("release", result.failed, epoch)
+            settled &= self.settle("release", result.failed, epoch)
+        if sent and settled:
+            # The claim's jobs still dispatched are exactly the ones sent.
+            # Unrecorded (a settling write failed, the process dies first),
+            # the reconciler requeues them all: a second run at worst.
+            self._record_published(jobs)
+        if result.failed:
             # The broker is down: back off (step() does) instead of claiming
             # the same jobs again at once.
             raise PublishError(f"broker unavailable: {len(result.failed)} jobs not published")
 
+    def _record_published(self, jobs: Sequence[Job]) -> None:
+        claims = {job.claim_id for job in jobs if job.claim_id is not None}
+        try:
+            self._store.record_published(sorted(claims), shard=self._shard)
+        except StoreError as exc:
+            logger.warning(
+                "shard %d: could not record %d published jobs (%s); the reconciler will "
+                "send them again",
+                self._shard,
+                len(jobs),
+                exc,
+            )
+
     def settle(
         self, action: Literal["release", "expire"], job_ids: Sequence[uuid.UUID], epoch: int
-    ) -> None:
-        """Finish a transition after publishing; on failure the reconciler will."""
+    ) -> bool:
+        """Finish a transition after publishing; on failure (False) the reconciler will."""
         try:
             if action == "release":
                 self._stats.released += self._store.release(job_ids, epoch=epoch)
@@ -153,9 +184,12 @@ class Publisher:
                 len(job_ids),
                 exc,
             )
+            return False
+        return True
 
-    def _fail(self, rejected: dict[uuid.UUID, str], epoch: int) -> None:
-        """Count a failed publish against each job (dead past max_attempts)."""
+    def _fail(self, rejected: dict[uuid.UUID, str], epoch: int) -> bool:
+        """Count a failed publish against each job (dead past max_attempts);
+        False when that could not be written (the reconciler will)."""
         try:
             result = self._store.fail_dispatch(list(rejected.items()), epoch=epoch)
         except StoreError as exc:
@@ -164,7 +198,7 @@ class Publisher:
                 len(rejected),
                 exc,
             )
-            return
+            return False
         self._stats.rejected += result.requeued + result.dead
         self._stats.dead += result.dead
         self._stats.count(self._stats.requeued_by, "publish_rejected", result.requeued)
@@ -177,3 +211,4 @@ class Publisher:
             result.dead,
             next(iter(rejected.values())),
         )
+        return True

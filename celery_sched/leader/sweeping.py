@@ -8,8 +8,9 @@ concurrent claims apart) and publishes each batch, every
 
 Failures: a store or broker error ends the sweep; the loop logs and counts
 a failed ``sweep`` and backs off. Batches claimed ahead and not yet
-published are released to ``pending`` (or, if that fails too, left
-``dispatched`` for the reconciler); what the failed batch did is said in
+published are released to ``pending``, even once the lease is gone (or, if
+that fails too, left ``dispatched`` for the reconciler); what the failed
+batch did is said in
 :mod:`celery_sched.leader.publishing`.
 """
 
@@ -126,17 +127,24 @@ class Sweeper:
         return total
 
     def _claim_batch(self, epoch: int) -> list[Job]:
+        if not self._publisher.holds(epoch):
+            # The lease ran out since this claim was queued: whatever it
+            # claimed would be withheld and released again.
+            return []
         started = time.perf_counter()
         jobs = self._store.claim_due(shard=self._shard, epoch=epoch, limit=self.batch_size)
         self._claim_seconds.observe(time.perf_counter() - started)
         return jobs
 
     def _release_claimed_ahead(self, ahead: Future[list[Job]], epoch: int) -> None:
-        # The pass failed while a batch was being claimed ahead: hand those
-        # jobs back (or, if that fails too, leave them to the reconciler).
+        # The pass failed (or the lease ran out) while a batch was being
+        # claimed ahead: hand those jobs back, lease or not (the release is
+        # fenced by the claim's epoch and the rows' status), or, if that
+        # fails too, leave them to the reconciler, which requeues a claim
+        # never recorded as published.
         try:
             jobs = ahead.result()
         except Exception:
             return
-        if jobs and self._publisher.holds(epoch):
+        if jobs:
             self._publisher.settle("release", [job.id for job in jobs], epoch)

@@ -29,7 +29,7 @@ from celery_sched.models.jobs import (
     jobs_from_rows,
     sendable,
 )
-from celery_sched.models.leases import Lease
+from celery_sched.models.leases import EPOCH_SALT_BITS, Lease, election_count, next_epoch
 from celery_sched.models.ledger import (
     ADOPTABLE_STATUSES,
     FENCED_STATUSES,
@@ -90,6 +90,7 @@ __all__ = [
     "DEFAULT_ACCEPT",
     "DUE_LIMIT",
     "EMPTY_OPTIONS",
+    "EPOCH_SALT_BITS",
     "FENCED_STATUSES",
     "FINISHED_STATUSES",
     "JOB_FIELDS",
@@ -145,9 +146,11 @@ __all__ = [
     "decode_body",
     "delivery_fence",
     "dispatch_lag",
+    "election_count",
     "id_of_key",
     "jobs_from_rows",
     "misplaced",
+    "next_epoch",
     "requeued_allowance",
     "sendable",
 ]

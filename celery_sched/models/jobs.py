@@ -303,6 +303,8 @@ class Job:
     last_error: str | None = None
     #: The pid of the worker process (on host ``worker``) running the job.
     worker_pid: int | None = None
+    #: The claim that last dispatched the job (a random id per claim).
+    claim_id: int | None = None
 
     def __post_init__(self) -> None:
         check_aware(
@@ -362,7 +364,7 @@ class _JobDraft:
     """A mutable object with exactly :class:`Job`'s slot layout.
 
     Claims turn thousands of rows per second into Jobs. The frozen
-    dataclass ``__init__`` sets each of its 27 fields through
+    dataclass ``__init__`` sets each of its 28 fields through
     ``object.__setattr__``, which costs more than the database's own work
     per row; filling this twin with plain attribute stores and then
     retyping it as a Job gives the same object for a fraction of that.
@@ -403,6 +405,7 @@ class _JobDraft:
         worker: Any,
         last_error: Any,
         worker_pid: Any,
+        claim_id: Any,
     ) -> None:
         self.id = id
         self.key = key
@@ -431,6 +434,7 @@ class _JobDraft:
         self.worker = worker
         self.last_error = last_error
         self.worker_pid = worker_pid
+        self.claim_id = claim_id
 
 
 def jobs_from_rows(names: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[Job]:

@@ -119,6 +119,10 @@ def build_metadata(schema: str) -> MetaData:
         # The process a running job runs in, beside its host in ``worker``:
         # the rescuer matches it against that process's heartbeat. (0004)
         Column("worker_pid", Integer, nullable=True),
+        # Which claim dispatched the job: a random number per claim (per try
+        # of one), matched against published_claims once the claim's messages
+        # went out. (0013)
+        Column("claim_id", BigInteger, nullable=True),
         CheckConstraint(f"status IN ({status_list})", name="jobs_status_check"),
         postgresql_partition_by="RANGE (due_at)",
     )
@@ -303,6 +307,22 @@ def build_metadata(schema: str) -> MetaData:
         Column("holder", Text, nullable=True),
         _ts("acquired_at"),
     )
+
+    # One row per claim whose messages all went out (or whose unsent jobs
+    # were all settled otherwise). The reconciler marks a job that no worker
+    # tracks ``sent`` only when its claim is here; a job claimed but never
+    # published (a beat killed between claim and publish, a claim whose
+    # COMMIT was lost and retried) is requeued instead. One row per batch,
+    # not per job, so dispatch writes one small row per 1,000 jobs. Pruned
+    # with the finished jobs' retention. (0013)
+    Table(
+        "published_claims",
+        metadata,
+        Column("claim_id", BigInteger, primary_key=True, autoincrement=False),
+        Column("shard", SmallInteger, nullable=False),
+        _ts("published_at", nullable=False, now_default=True),
+    )
+    Index("published_claims_at_idx", metadata.tables[f"{schema}.published_claims"].c.published_at)
 
     # At most one row: the shard count every unfinished row was last placed
     # for. Shard 0's leader compares it with its own count to know when a

@@ -11,7 +11,14 @@ import pytest
 
 from celery_sched.errors import DuplicateJob, StaleEpoch
 from celery_sched.interfaces import JobStore
-from celery_sched.models import SENT_DUE_MARGIN, Job, JobStatus, NewJob, WorkerUpdate
+from celery_sched.models import (
+    SENT_DUE_MARGIN,
+    Job,
+    JobStatus,
+    NewJob,
+    WorkerUpdate,
+    election_count,
+)
 from celery_sched.timeutil import to_bucket
 from tests.contract.conftest import new_job, tracked
 
@@ -276,11 +283,14 @@ def test_cancelled_job_is_never_claimed(store: JobStore) -> None:
 
 def test_acquire_epoch_increments_per_shard(store: JobStore) -> None:
     assert store.current_epoch(0) == 0
-    assert store.acquire_epoch(0, "a") == 1
-    assert store.acquire_epoch(0, "b") == 2
-    assert store.acquire_epoch(1, "c") == 1
-    assert store.current_epoch(0) == 2
-    assert store.current_epoch(1) == 1
+    first = store.acquire_epoch(0, "a")
+    second = store.acquire_epoch(0, "b")
+    other = store.acquire_epoch(1, "c")
+    assert 0 < first < second and other > 0
+    # The counter part counts elections; the low bits are random.
+    assert [election_count(e) for e in (first, second, other)] == [1, 2, 1]
+    assert store.current_epoch(0) == second
+    assert store.current_epoch(1) == other
     assert store.current_epoch(5) == 0
 
 
@@ -485,7 +495,7 @@ def test_a_job_no_worker_tracks_is_marked_sent_not_requeued(store: JobStore) -> 
     for key, task in (("alone", "t.untracked"), ("other", "t.untracked"), ("mine", "t.mine")):
         store.add_job(new_job(key, now - 5 * SECOND, task=task, visibility_timeout=0.1))
     epoch = leader(store)
-    assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 3
+    published(store, store.claim_due(shard=0, epoch=epoch, limit=10), count=3)
     time.sleep(0.3)
     tracked(store, "t.mine", "t.else")  # a tracking worker, of other tasks
 
@@ -504,6 +514,58 @@ def test_a_job_no_worker_tracks_is_marked_sent_not_requeued(store: JobStore) -> 
     assert status_of(store, "alone") is JobStatus.SENT
 
 
+def published(store: JobStore, claimed: list[Job], *, count: int) -> None:
+    """Record ``claimed`` (``count`` jobs of one claim) as published, as the
+    beat does once their messages went out."""
+    assert len(claimed) == count
+    claims = {job.claim_id for job in claimed}
+    assert len(claims) == 1 and None not in claims
+    store.record_published([job.claim_id for job in claimed[:1] if job.claim_id], shard=0)
+
+
+def test_a_claim_never_recorded_as_published_is_requeued_even_untracked(
+    store: JobStore,
+) -> None:
+    # #30 (1): a beat killed between claim and publish left its claim
+    # dispatched; the reconciler marked it sent (no worker tracks the task)
+    # and it never ran. Only a claim recorded as published ends sent.
+    now = store.now()
+    for key in ("sent-1", "sent-2", "lost-1", "lost-2"):
+        store.add_job(new_job(key, now - 5 * SECOND, task="t.untracked", visibility_timeout=0.1))
+    epoch = leader(store)
+    first = store.claim_ids(
+        [job.id for key in ("sent-1", "sent-2") if (job := store.get(key))], shard=0, epoch=epoch
+    )
+    published(store, first, count=2)
+    second = store.claim_due(shard=0, epoch=epoch, limit=10)
+    assert sorted(job.key for job in second) == ["lost-1", "lost-2"]
+    assert {job.claim_id for job in second}.isdisjoint({job.claim_id for job in first})
+    time.sleep(0.3)
+    tracked(store, "t.else")  # a tracking worker, of another task
+
+    result = store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=300)
+    assert (result.requeued, result.dead, result.untracked) == (2, 0, 2)
+    for key in ("sent-1", "sent-2"):
+        assert status_of(store, key) is JobStatus.SENT
+    for key in ("lost-1", "lost-2"):
+        job = store.get(key)
+        assert job is not None and (job.status, job.attempt) == (JobStatus.PENDING, 1)
+    # Recording a claim twice is harmless.
+    store.record_published([first[0].claim_id or 0] * 2, shard=0)
+
+
+def test_records_of_published_claims_are_pruned_with_the_finished_jobs(store: JobStore) -> None:
+    now = store.now()
+    store.add_job(new_job("old", now - 5 * SECOND, task="t.untracked", visibility_timeout=0.1))
+    epoch = leader(store)
+    published(store, store.claim_due(shard=0, epoch=epoch, limit=10), count=1)
+    time.sleep(0.3)
+    store.prune(older_than=0.1, batch=10)
+    # The record went with the prune: the job now counts as never sent.
+    result = store.reconcile(shard=0, epoch=epoch, limit=10, default_visibility_timeout=300)
+    assert (result.requeued, result.untracked) == (1, 0)
+
+
 def test_a_worker_that_lists_no_tasks_tracks_every_task(store: JobStore) -> None:
     # A worker of before the task lists (NULL) counts as tracking everything.
     _job, epoch = claim_one(store, "legacy", task="t.any", visibility_timeout=0.1)
@@ -519,7 +581,7 @@ def test_the_limit_counts_jobs_marked_sent(store: JobStore) -> None:
     for i in range(3):
         store.add_job(new_job(f"u{i}", now - (10 - i) * SECOND, visibility_timeout=0.1))
     epoch = leader(store)
-    assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 3
+    published(store, store.claim_due(shard=0, epoch=epoch, limit=10), count=3)
     time.sleep(0.3)
     result = store.reconcile(shard=0, epoch=epoch, limit=2, default_visibility_timeout=300)
     assert result.untracked == 2

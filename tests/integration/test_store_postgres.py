@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from celery_sched.errors import DuplicateJob, SchemaMissing, StoreUnavailable
+from celery_sched.errors import DuplicateJob, SchemaMissing, StaleEpoch, StoreUnavailable
 from celery_sched.models import Job, JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import MIGRATIONS_DIR, PostgresJobStore
@@ -514,3 +514,34 @@ def test_the_shard_check_reads_only_partial_indexes(
     assert "Seq Scan" not in plan, plan
     assert "jobs_pending_due_idx" in plan and "jobs_retrying_idx" in plan, plan
     assert store.unfinished_by_shard(from_shard=1) == {1: {JobStatus.PENDING: 10_000}}
+
+
+def test_a_failover_that_loses_the_last_epoch_bump_never_hands_that_epoch_out_again(
+    store: PostgresJobStore, settings: Settings
+) -> None:
+    """#30 (12): with asynchronous replication a promoted replica can lack
+    the last ``acquire_epoch``. The next leader then got the same number as
+    the leader of the lost term, which still held it: both passed the fence,
+    and the stale one could claim, and release the new leader's claims."""
+    now = store.now()
+    for key in ("a", "b"):
+        store.add_job(new_job(key, now - dt.timedelta(seconds=5)))
+    replicated = store.acquire_epoch(0, "beat-1")
+    stale = store.acquire_epoch(0, "beat-2")  # committed on the old primary only
+    # The promoted replica: the leaders row as it was before beat-2's bump.
+    with raw_connect(settings) as conn:
+        conn.execute(
+            f'UPDATE "{settings.db_schema}".leaders SET epoch = %s, holder = %s WHERE shard = 0',
+            (replicated, "beat-1"),
+        )
+        conn.commit()
+    current = store.acquire_epoch(0, "beat-3")
+    assert current != stale and current > replicated
+    claimed = store.claim_ids([store.get("a").id], shard=0, epoch=current)  # type: ignore[union-attr]
+    assert [job.key for job in claimed] == ["a"]
+    # The stale leader of the lost term: fenced out of claims, and its
+    # release of what it believes it claimed touches nothing of the new term.
+    with pytest.raises(StaleEpoch):
+        store.claim_due(shard=0, epoch=stale, limit=10)
+    assert store.release([claimed[0].id], epoch=stale) == 0
+    assert store.get("a").status is JobStatus.DISPATCHED  # type: ignore[union-attr]

@@ -739,8 +739,10 @@ def test_beat_tick_survives_an_exception_from_the_engine() -> None:
 
 
 def test_a_leader_whose_lease_runs_out_mid_batch_publishes_no_further_chunk(rig: Rig) -> None:
-    """Defect 4: the lease is checked before every chunk; jobs not yet sent
-    stay dispatched, untouched, for the next leader's reconciler."""
+    """Defect 4: the lease is checked before every chunk. The jobs not yet
+    sent are released at once (fenced by the claim's epoch), so a successor
+    sends them without waiting for the reconciler; only the sent ones'
+    claim is recorded as published."""
     ids = [rig.add(-1) for _ in range(rig.settings.batch_size)]
     dispatcher = MemoryDispatcher(chunk=10)
     # Each chunk takes a second (a slow broker, a pause); the lease is
@@ -750,23 +752,18 @@ def test_a_leader_whose_lease_runs_out_mid_batch_publishes_no_further_chunk(rig:
     engine.step()
     sent = dispatcher.sent_ids()
     assert len(sent) == 20  # chunks at +1 s and +2 s; not at +3 s
-    assert engine.stats.withheld == 30 and engine.stats.released == 0
+    assert engine.stats.withheld == 30 and engine.stats.released == 30
     unsent = [i for i in ids if i not in sent]
     for job_id in unsent:
         job = rig.store.get_by_id(job_id)
         assert job is not None
-        assert (job.status, job.attempt, job.leader_epoch) == (
-            JobStatus.DISPATCHED,
-            0,
-            engine.epoch,
-        )
-    # A successor requeues them after the visibility timeout and sends them.
-    rig.clock.advance(rig.settings.visibility_timeout + 1)
+        assert (job.status, job.attempt) == (JobStatus.PENDING, 0)
+    # A successor sends them in its first sweep, long before any
+    # visibility timeout.
     dispatcher.before_chunk = None
     successor = rig.engine(rig.elector("b"), dispatcher)
-    rig.run(successor, rig.settings.reconcile_interval + rig.settings.sweep_interval + 1)
-    # (The 20 sent ones went again too: no worker reported them started.)
-    assert sorted(set(dispatcher.sent_ids()[20:])) == sorted(ids)
+    rig.run(successor, rig.settings.sweep_interval + 1)
+    assert sorted(dispatcher.sent_ids()[20:]) == sorted(unsent)
 
 
 def test_a_forward_wall_clock_step_expires_nothing_early(

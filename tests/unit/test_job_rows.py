@@ -46,6 +46,7 @@ def stored(**changes: Any) -> dict[str, Any]:
         "worker": "w1",
         "last_error": "boom",
         "worker_pid": 4242,
+        "claim_id": 77,
     }
     values.update(changes)
     return values

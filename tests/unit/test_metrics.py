@@ -17,7 +17,7 @@ from celery_sched.errors import StagingUnavailable, StoreUnavailable
 from celery_sched.leader.stats import LAG_BUCKETS, BatchHistogram
 from celery_sched.metrics import health, server
 from celery_sched.metrics.beat import BeatCollector, BeatEndpoint
-from celery_sched.models import JobStatus
+from celery_sched.models import JobStatus, election_count
 from tests.unit.test_engine import Rig, rig  # noqa: F401  (the fixture)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -69,7 +69,8 @@ def test_a_leader_exports_every_series_with_its_values(rig: Rig) -> None:  # noq
     samples = collected(collector)
     assert set(rig.dispatcher.sent_ids()) == set(overdue)
     assert value(samples, "celery_sched_leader", shard="0") == 1
-    assert value(samples, "celery_sched_epoch", shard="0") == engine.epoch == 1
+    assert value(samples, "celery_sched_epoch", shard="0") == engine.epoch
+    assert election_count(engine.epoch) == 1
     assert value(samples, "celery_sched_dispatched_total", shard="0") == 3
     assert value(samples, "celery_sched_publish_failures_total", shard="0", reason="rejected") == 1
     assert value(samples, "celery_sched_publish_failures_total", shard="0", reason="broker") == 0
@@ -114,7 +115,8 @@ def test_counters_split_by_reason_and_standby_exports_no_readings(rig: Rig) -> N
     assert engine.role == "standby"
     samples = collected(BeatCollector(engine))
     assert value(samples, "celery_sched_leader", shard="0") == 0
-    assert value(samples, "celery_sched_epoch", shard="0") == 1  # the last one held
+    held = value(samples, "celery_sched_epoch", shard="0")  # the last one held
+    assert held == rig.store.current_epoch(0) and election_count(int(held)) == 1
     assert "celery_sched_staged_jobs" not in names(samples)
     assert "celery_sched_oldest_due_pending_seconds" not in names(samples)
 

@@ -45,6 +45,8 @@ class MemoryStoreBase(StoreLifecycle):
         self._holders: dict[int, str] = {}
         #: The shard count the rows were last placed for (Jobs.record_placement).
         self._placed_for: int | None = None
+        #: Claims recorded as published (Jobs.record_published), with when.
+        self._published: dict[int, dt.datetime] = {}
         self._schedules: dict[str, StoredSchedule] = {}
         self._schedule_ids = itertools.count(1)
         self._closed = False

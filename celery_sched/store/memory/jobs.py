@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from celery_sched.errors import DuplicateJob, StaleEpoch
+from celery_sched.ids import new_claim_id, new_epoch_salt
 from celery_sched.interfaces import Jobs
 from celery_sched.models import (
     ADOPTABLE_STATUSES,
@@ -29,6 +30,7 @@ from celery_sched.models import (
     check_rehome,
     dispatch_lag,
     misplaced,
+    next_epoch,
     requeued_allowance,
     sendable,
 )
@@ -251,7 +253,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
 
     def acquire_epoch(self, shard: int, holder: str) -> int:
         with self._lock:
-            epoch = self._epochs.get(shard, 0) + 1
+            epoch = next_epoch(self._epochs.get(shard, 0), new_epoch_salt())
             self._epochs[shard] = epoch
             self._holders[shard] = holder
             return epoch
@@ -325,10 +327,26 @@ class MemoryJobs(MemoryStoreBase, Jobs):
 
     def _claim(self, rows: list[Job], epoch: int, now: dt.datetime, limit: int) -> list[Job]:
         rows.sort(key=_due_order)
+        claim_id = new_claim_id()
         return [
-            self._update(job, status=JobStatus.DISPATCHED, dispatched_at=now, leader_epoch=epoch)
+            self._update(
+                job,
+                status=JobStatus.DISPATCHED,
+                dispatched_at=now,
+                leader_epoch=epoch,
+                claim_id=claim_id,
+            )
             for job in rows[: max(limit, 0)]
         ]
+
+    def record_published(self, claim_ids: Sequence[int], *, shard: int) -> None:
+        with self._lock:
+            now = self.now()
+            for claim_id in claim_ids:
+                self._published.setdefault(claim_id, now)
+
+    def _went_out(self, job: Job) -> bool:
+        return job.claim_id is None or job.claim_id in self._published
 
     def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
         return self._move_fenced(ids, epoch, status=JobStatus.PENDING, dispatched_at=None)
@@ -501,8 +519,13 @@ class MemoryJobs(MemoryStoreBase, Jobs):
             stale.sort(key=lambda job: (job.dispatched_at, str(job.id)))
             retries.sort(key=lambda job: (job.dispatched_at, str(job.id)))
             overran.sort(key=lambda job: (job.started_at, str(job.id)))
-            untracked = [job for job in stale if not self._tracked(job.task)]
-            stale = [job for job in stale if self._tracked(job.task)][:limit]
+            # Requeued: tracked, or never published (it cannot run twice).
+            untracked = [
+                job for job in stale if not self._tracked(job.task) and self._went_out(job)
+            ]
+            stale = [job for job in stale if self._tracked(job.task) or not self._went_out(job)][
+                :limit
+            ]
             untracked = untracked[: limit - len(stale)]
             retries = retries[: limit - len(stale) - len(untracked)]
             overran = overran[: limit - len(stale) - len(untracked) - len(retries)]
@@ -612,6 +635,11 @@ class MemoryJobs(MemoryStoreBase, Jobs):
         if batch < 1:
             raise ValueError("prune batch must be at least 1")
         total = 0
+        with self._lock:
+            cutoff = self.now() - dt.timedelta(seconds=older_than)
+            for claim_id, at in list(self._published.items()):
+                if at < cutoff:
+                    del self._published[claim_id]
         for _ in itertools.repeat(None) if max_batches is None else range(max_batches):
             # One "transaction" per batch, as the real store deletes in batches.
             with self._lock:

@@ -15,13 +15,15 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import Row, Select, bindparam, delete, func, select, update
+from sqlalchemy import Row, Select, bindparam, delete, func, literal_column, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 
 from celery_sched.errors import DuplicateJob, StaleEpoch, StoreError
+from celery_sched.ids import new_claim_id, new_epoch_salt
 from celery_sched.interfaces import Jobs
 from celery_sched.models import (
+    EPOCH_SALT_BITS,
     SENT_DUE_MARGIN,
     Job,
     JobQuery,
@@ -93,13 +95,20 @@ class JobQueries:
             .with_for_update(read=True)
         )
         self.current_epoch = select(leaders.c.epoch).where(leaders.c.shard == bindparam("p_shard"))
+        # models.next_epoch in SQL: the counter in the high bits goes up by
+        # one, the low bits are the caller's random salt.
+        salt = bindparam("p_salt", type_=leaders.c.epoch.type)
+        step = literal_column(str(1 << EPOCH_SALT_BITS), leaders.c.epoch.type)
         upsert = pg_insert(leaders).values(
-            shard=bindparam("p_shard"), epoch=1, holder=bindparam("p_holder"), acquired_at=now
+            shard=bindparam("p_shard"),
+            epoch=step + salt,
+            holder=bindparam("p_holder"),
+            acquired_at=now,
         )
         self.acquire_epoch = upsert.on_conflict_do_update(
             index_elements=[leaders.c.shard],
             set_={
-                "epoch": leaders.c.epoch + 1,
+                "epoch": (leaders.c.epoch / step + 1) * step + salt,
                 "holder": upsert.excluded.holder,
                 "acquired_at": now,
             },
@@ -408,7 +417,12 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         epoch: int = self.database.transaction(
             "acquire_epoch",
             lambda conn: conn.execute(
-                self._jq.acquire_epoch, {"p_shard": shard, "p_holder": holder}
+                self._jq.acquire_epoch,
+                {
+                    "p_shard": shard,
+                    "p_holder": holder,
+                    "p_salt": new_epoch_salt() & ((1 << EPOCH_SALT_BITS) - 1),
+                },
             ).scalar_one(),
         )
         logger.info("shard %d: epoch %d acquired by %s", shard, epoch, holder)
@@ -448,7 +462,13 @@ class PostgresJobs(PostgresStoreBase, Jobs):
 
         def claim(conn: Connection) -> list[Job]:
             horizon = self._fence(conn, shard, epoch)
-            params = {"p_shard": shard, "p_epoch": epoch, "p_limit": limit, "p_horizon": horizon}
+            params = {
+                "p_shard": shard,
+                "p_epoch": epoch,
+                "p_limit": limit,
+                "p_horizon": horizon,
+                "p_claim": new_claim_id(),
+            }
             return _claimed_jobs(conn, self._claim_due, params)
 
         return _sort_due(self.database.transaction("claim_due", claim))
@@ -460,10 +480,31 @@ class PostgresJobs(PostgresStoreBase, Jobs):
             horizon = self._fence(conn, shard, epoch)
             if not id_list:
                 return []
-            params = {"ids": id_list, "p_shard": shard, "p_epoch": epoch, "p_horizon": horizon}
+            params = {
+                "ids": id_list,
+                "p_shard": shard,
+                "p_epoch": epoch,
+                "p_horizon": horizon,
+                "p_claim": new_claim_id(),
+            }
             return _claimed_jobs(conn, self._claim_ids, params)
 
         return _sort_due(self.database.transaction("claim_ids", claim))
+
+    def record_published(self, claim_ids: Sequence[int], *, shard: int) -> None:
+        if not claim_ids:
+            return
+        params = {"p_claims": list(claim_ids), "p_shard": shard}
+
+        def record(conn: Connection) -> None:
+            # Not waiting for the flush: a record lost with a crash of the
+            # server makes the reconciler requeue the claim's jobs (a second
+            # run at worst, never a lost job), and the beat does not wait a
+            # disk flush per batch.
+            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+            conn.execute(self.statements.record_published, params)
+
+        self.database.transaction("record_published", record)
 
     def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
         if not ids:
@@ -713,6 +754,12 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         # Whole partitions first: a day whose every job finished long ago
         # goes with one DROP (no row-by-row WAL, no dead tuples to vacuum).
         total = sum(rows for _, rows in self.partitions.drop_finished(older_than=older_than))
+        # The records of claims that went out are read by the reconciler a
+        # visibility timeout after the claim: kept as long as finished jobs.
+        self.database.transaction(
+            "prune_published",
+            lambda conn: conn.execute(self.statements.prune_published, {"older_than": older_than}),
+        )
         params = {"older_than": older_than, "batch": batch}
         for _ in itertools.repeat(None) if max_batches is None else range(max_batches):
             # One transaction per batch keeps locks and WAL bursts small.
@@ -734,7 +781,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         sql = "EXPLAIN " + str(compiled)
         horizon = self.now() + SENT_DUE_MARGIN
         params = compiled.construct_params(
-            {"p_shard": shard, "p_epoch": 0, "p_limit": limit, "p_horizon": horizon}
+            {"p_shard": shard, "p_epoch": 0, "p_limit": limit, "p_horizon": horizon, "p_claim": 0}
         )
         rows = self.database.transaction(
             "explain_claim", lambda conn: conn.exec_driver_sql(sql, params).all()

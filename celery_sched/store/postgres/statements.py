@@ -31,10 +31,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Integer,
     Interval,
     Select,
+    SmallInteger,
     Table,
     Text,
     Update,
@@ -44,6 +46,7 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    delete,
     exists,
     extract,
     func,
@@ -107,6 +110,7 @@ class Tables:
     ledger: Table
     schedules: Table
     placement: Table
+    published_claims: Table
 
     @classmethod
     def of(cls, schema: str) -> Tables:
@@ -249,7 +253,12 @@ def _claim(jobs: Table, chosen: Any, *recheck: ColumnElement[bool]) -> Update:
     return (
         update(jobs)
         .where(*same_row(jobs, chosen), *recheck)
-        .values(status="dispatched", dispatched_at=func.now(), leader_epoch=bindparam("p_epoch"))
+        .values(
+            status="dispatched",
+            dispatched_at=func.now(),
+            leader_epoch=bindparam("p_epoch"),
+            claim_id=bindparam("p_claim", type_=c.claim_id.type),
+        )
         .returning(*returned)
     )
 
@@ -634,11 +643,24 @@ def _tracked(t: Tables) -> ColumnElement[bool]:
     return exists().where(or_(w.tasks.is_(None), t.jobs.c.task == any_(w.tasks)))
 
 
+def _published(t: Tables) -> ColumnElement[bool]:
+    """Whether the job's claim went out: recorded in ``published_claims``
+    after its publish, or claimed before 0013 (no ``claim_id``: the old rule,
+    which took every claimed job for sent)."""
+    c = t.jobs.c
+    p = t.published_claims.c
+    return or_(c.claim_id.is_(None), exists().where(p.claim_id == c.claim_id))
+
+
 def requeue_dispatched(t: Tables) -> Update:
     """Requeue up to ``p_limit`` jobs of ``p_shard`` dispatched longer ago
     than their visibility timeout (``default_timeout`` when unset) whose
-    task some worker tracks."""
-    stale = _stale_dispatched(t, "stale", _tracked(t))
+    task some worker tracks, or whose claim never went out."""
+    # A job whose claim was never recorded as published was, as far as
+    # anyone can tell, never sent (its beat died between claim and publish,
+    # or the claim's COMMIT was lost and the claim retried): requeuing it
+    # cannot run it twice, whoever tracks its task.
+    stale = _stale_dispatched(t, "stale", or_(_tracked(t), not_(_published(t))))
     return _requeue(t, stale, "not started within %ss of dispatch", _visibility_timeout(t))
 
 
@@ -651,10 +673,11 @@ def _stale_dispatched(t: Tables, name: str, tracked: ColumnElement[bool]) -> Any
 
 def mark_untracked(t: Tables) -> Update:
     """Mark ``sent`` up to ``p_limit`` jobs of ``p_shard`` dispatched longer
-    ago than their visibility timeout whose task no worker tracks: nothing
-    would report their run, so a requeue could only run them twice."""
+    ago than their visibility timeout whose task no worker tracks and whose
+    claim went out: nothing would report their run, so a requeue could only
+    run them twice."""
     c = t.jobs.c
-    stale = _stale_dispatched(t, "untracked", not_(_tracked(t)))
+    stale = _stale_dispatched(t, "untracked", and_(not_(_tracked(t)), _published(t)))
     return (
         update(t.jobs)
         .where(*same_row(t.jobs, stale))
@@ -669,6 +692,32 @@ def mark_untracked(t: Tables) -> Update:
         )
         .returning(c.status)
     )
+
+
+def record_published(t: Tables) -> Any:
+    """Record that the claims ``p_claims`` of shard ``p_shard`` went out
+    (each once; a repeat is a no-op)."""
+    p = t.published_claims
+    claims = (
+        func.unnest(bindparam("p_claims", type_=postgresql.ARRAY(BigInteger)))
+        .table_valued("claim_id")
+        .render_derived(name="claims", with_types=False)
+    )
+    return (
+        pg_insert(p)
+        .from_select(
+            ["claim_id", "shard"],
+            select(claims.c.claim_id, bindparam("p_shard", type_=SmallInteger)),
+        )
+        .on_conflict_do_nothing()
+    )
+
+
+def prune_published(t: Tables) -> Any:
+    """Delete the records of claims published longer than ``older_than``
+    seconds ago (by ``published_claims_at_idx``)."""
+    p = t.published_claims
+    return delete(p).where(p.c.published_at < func.now() - seconds_param("older_than"))
 
 
 def requeue_retrying(t: Tables) -> Update:
@@ -1228,6 +1277,8 @@ NAMED: tuple[Callable[[Tables], Any], ...] = (
     rehome,
     requeue_dispatched,
     mark_untracked,
+    record_published,
+    prune_published,
     requeue_retrying,
     requeue_running,
     rescue,
@@ -1271,6 +1322,8 @@ class Statements:
         self.rehome = rehome(t)
         self.requeue_dispatched = requeue_dispatched(t)
         self.mark_untracked = mark_untracked(t)
+        self.record_published = record_published(t)
+        self.prune_published = prune_published(t)
         self.requeue_retrying = requeue_retrying(t)
         self.requeue_running = requeue_running(t)
         self.rescue = rescue(t)
