@@ -42,8 +42,9 @@ def _conn() -> psycopg.Connection[Any]:
 
 
 @app.task(name="e2e.record", bind=True)
-def record(self: Any, due: float, tag: str = "") -> None:
-    """Record that this job ran: task id, key, due time and run time."""
+def record(self: Any, due: float, tag: str = "", hold: float = 0.0) -> None:
+    """Record that this job ran: task id, key, due time and run time; then
+    work ``hold`` seconds (a worker busy with it holds messages unacknowledged)."""
     ran = time.time()
     schema = os.environ["CELERY_SCHED_DB_SCHEMA"]
     row = (
@@ -65,3 +66,4 @@ def record(self: Any, due: float, tag: str = "") -> None:
         # evidence must still be written, so reconnect once.
         _local.conn = None
         _conn().execute(sql, row)
+    time.sleep(hold)
