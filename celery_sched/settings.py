@@ -221,6 +221,13 @@ class Settings:
         "in constant time); empty asks for none, allowed only on a loopback bind or with "
         "`--insecure`. `--auth` overrides it.",
     )
+    web_allowed_hosts: tuple[str, ...] = _field(
+        (),
+        "Host names (`name` or `name:port`, comma-separated) the web console answers besides "
+        "the loopback names and its bound address; any other Host header gets 400 (a "
+        "DNS-rebinding page reaches the console under a name of its own). Needed behind a "
+        "proxy or on a `0.0.0.0` bind. `--allowed-host` overrides it.",
+    )
     # Not a setting: where each value was read from (see ``origin``).
     _origins: Mapping[str, str] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -543,6 +550,17 @@ def _warn_unknown_keys(places: list[Mapping[str, Any]], namespace: str | None) -
 
 def _coerce(field: dataclasses.Field[Any], raw: Any) -> Any:
     kind: type[Any] = field.metadata.get("kind") or type(field.default)
+    if kind is tuple:
+        # A list in the app's configuration, a comma-separated string anywhere.
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if not isinstance(items, (list, tuple, set, frozenset)) or not all(
+            isinstance(item, str) for item in items
+        ):
+            raise ConfigurationError(
+                f"celery_sched_{field.name} must be a list of strings or a comma-separated "
+                f"string, got {raw!r}"
+            )
+        return tuple(item.strip() for item in items if item.strip())
     if field.default is None and (raw is None or (isinstance(raw, str) and not raw.strip())):
         return None
     if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):

@@ -104,8 +104,11 @@ def services(dev_data_dir: Path) -> Iterator[None]:
     # The beats and the worker started below inherit these.
     os.environ.update(server.environment())
     app.conf.broker_url = server.broker_url
-    print(f"  PostgreSQL {server.database_url}")
-    print(f"  Redis      {server.redis_url} (broker: {server.broker_url})\n")
+    print(f"  PostgreSQL {maybe_sanitize_url(server.database_url)}")
+    print(
+        f"  Redis      {maybe_sanitize_url(server.redis_url)} "
+        f"(broker: {maybe_sanitize_url(server.broker_url)})\n"
+    )
     try:
         yield
     finally:

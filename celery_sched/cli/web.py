@@ -33,8 +33,26 @@ def _split_bind(bind: str) -> tuple[str, int]:
     is_flag=True,
     help="Serve beyond loopback without auth: anyone who reaches it can steer jobs.",
 )
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    # Celery's auto envvar prefix would read CELERY_SCHED_WEB_ALLOWED_HOSTS
+    # here split on spaces; the setting reads that variable, commas and all.
+    allow_from_autoenv=False,
+    metavar="NAME[:PORT]",
+    help="Also answer requests for this Host (repeatable; default: "
+    "celery_sched_web_allowed_hosts). The loopback names and the bound address are "
+    "always answered, any other Host gets 400.",
+)
 @click.pass_context
-def web(ctx: click.Context, bind: str, auth: str | None, insecure: bool) -> None:
+def web(
+    ctx: click.Context,
+    bind: str,
+    auth: str | None,
+    insecure: bool,
+    allowed_hosts: tuple[str, ...],
+) -> None:
     """Serve the web console: overview, schedules and jobs, over this app's settings."""
     try:
         import uvicorn
@@ -52,9 +70,16 @@ def web(ctx: click.Context, bind: str, auth: str | None, insecure: bool) -> None
         check_bind(host, auth=credentials, insecure=insecure)
         if insecure and credentials is None:
             click.echo("WARNING: serving the console without auth (--insecure)", err=True)
-        app = create_app(client, auth=credentials)
+        hosts = allowed_hosts or client.settings.web_allowed_hosts
+        app = create_app(client, auth=credentials, allowed_hosts=hosts, bind=host)
         shown = f"[{host}]" if ":" in host else host
         click.echo(f"celery_sched web console on http://{shown}:{port}/", err=True)
+        if host in ("0.0.0.0", "::") and not hosts:  # noqa: S104
+            click.echo(
+                "Only the loopback names are answered; give the names clients use "
+                "with --allowed-host",
+                err=True,
+            )
         try:
             uvicorn.run(app, host=host, port=port, log_level="warning")
         except OSError as exc:  # the port is taken

@@ -5,7 +5,9 @@ Every page is a function returning its template's name and a JSON-able
 Every change is a POST to ``/actions/<op>`` carrying the CSRF token of the
 double-submit cookie, and calls the same :class:`~celery_sched.client.Client`
 method the command line does. The client is synchronous; handlers run it in
-Starlette's thread pool so a slow query never stalls the event loop.
+Starlette's thread pool so a slow query never stalls the event loop. Around
+it all, :class:`HostShield` answers only the Host names the console is served
+under and puts the browser security headers on every response.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from celery_sched.client import Client
 from celery_sched.errors import CelerySchedError, ConfigurationError, InvalidCursor
@@ -51,6 +56,22 @@ CSRF_FIELD = "csrf"
 PAGE_SIZE = 50
 _EDITABLE_KINDS = frozenset({"crontab", "interval"})
 _TEMPLATES = Path(__file__).parent / "templates"
+_STYLESHEET = Path(__file__).parent / "static" / "console.css"
+
+#: The names a browser on this machine reaches a loopback console by.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+#: On every response. The pages need only their own stylesheet, inline SVG
+#: (not governed by the policy) and forms posting back to the console; no
+#: script, frame, image or inline style is allowed.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?\Z")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -100,6 +121,111 @@ def check_bind(host: str, *, auth: Credentials | None, insecure: bool) -> None:
             f"binding the web console to {host} (not loopback) needs --auth user:password "
             "(or celery_sched_web_auth), or --insecure to serve it to anyone who can reach it"
         )
+
+
+def _split_host(text: str) -> tuple[str, int | None] | None:
+    """``(name, port)`` of ``host[:port]``, the name lower-case and an IPv6
+    address in brackets; None when ``text`` is no such thing."""
+    text = text.strip().lower()
+    if text.startswith("["):
+        inside, sep, rest = text[1:].partition("]")
+        name, port = f"[{inside}]", rest.removeprefix(":")
+        if not sep or (rest and not rest.startswith(":")):
+            return None
+        address = inside
+    elif text.count(":") > 1:  # a bare IPv6 address, no port
+        name, port, address = f"[{text}]", "", text
+    else:
+        name, _, port = text.partition(":")
+        address = ""
+        if ":" in text and not port:
+            return None
+    if address:
+        try:
+            ipaddress.IPv6Address(address)
+        except ValueError:
+            return None
+    elif not _HOST_NAME.match(name):
+        return None
+    if not port:
+        return name, None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return name, int(port)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AllowedHosts:
+    """The Host names the console answers: a name alone allows it on any
+    port, ``name:port`` on that port only."""
+
+    names: frozenset[str]
+    name_ports: frozenset[tuple[str, int]]
+
+    @classmethod
+    def of(cls, hosts: Iterable[str], *, bind: str | None = None) -> AllowedHosts:
+        """The loopback names, the address ``bind`` (unless it is every
+        interface) and ``hosts``; a bad entry raises ConfigurationError."""
+        names = set(LOOPBACK_HOSTS)
+        name_ports: set[tuple[str, int]] = set()
+        if bind is not None and bind.strip("[]") not in ("", "0.0.0.0", "::"):  # noqa: S104
+            found = _split_host(bind)
+            if found is not None:
+                names.add(found[0])
+        for entry in hosts:
+            found = _split_host(entry)
+            if found is None:
+                raise ConfigurationError(
+                    f"allowed host {entry!r} is not a host name or address with an optional "
+                    "port (e.g. console.example.com, 10.0.0.5 or 10.0.0.5:8808)"
+                )
+            name, port = found
+            if port is None:
+                names.add(name)
+            else:
+                name_ports.add((name, port))
+        return cls(names=frozenset(names), name_ports=frozenset(name_ports))
+
+    def allow(self, header: str) -> bool:
+        """Whether a request with this ``Host`` header is served."""
+        found = _split_host(header)
+        if found is None:
+            return False
+        name, port = found
+        return name in self.names or (port is not None and (name, port) in self.name_ports)
+
+
+class HostShield:
+    """The console's outer layer: a request whose Host is not allowed gets a
+    400 before any route runs (a DNS-rebinding page reaches the console under
+    its own name), and every response carries :data:`SECURITY_HEADERS`."""
+
+    def __init__(self, app: ASGIApp, allowed: AllowedHosts) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        hosts = [value.decode("latin-1") for key, value in scope["headers"] if key == b"host"]
+        if len(hosts) != 1 or not self.allowed.allow(hosts[0]):
+            logger.warning(
+                "web console: refused a request for Host %r (serve a name with --allowed-host)",
+                hosts[0][:100] if len(hosts) == 1 else hosts,
+            )
+            refusal = PlainTextResponse("invalid Host header\n", status_code=400)
+            await refusal(scope, receive, secured)
+            return
+        await self.app(scope, receive, secured)
 
 
 def _json_default(value: Any) -> Any:
@@ -178,6 +304,7 @@ class Console:
     def __init__(self, client: Client, *, auth: Credentials | None = None) -> None:
         self.client = client
         self.auth = auth
+        self.stylesheet = _STYLESHEET.read_text()
         self.env = Environment(
             loader=FileSystemLoader(_TEMPLATES),
             # Everything a user typed (names, keys, errors, args) is escaped.
@@ -252,7 +379,13 @@ class Console:
         ]
         routes = [Route(path, self._guard(handler)) for path, handler in pages]
         routes.append(Route("/actions/{op}", self._guard(self.action), methods=["POST"]))
+        # Outside the auth guard: it holds no data, and a browser fetching it
+        # for the login page has no credentials to send yet.
+        routes.append(Route("/console.css", self.css))
         return routes
+
+    async def css(self, request: Request) -> Response:
+        return Response(self.stylesheet, media_type="text/css")
 
     # -- pages -------------------------------------------------------------------------
 
@@ -571,6 +704,18 @@ _ACTIONS: dict[str, Callable[[Client, Mapping[str, str]], str]] = {
 }
 
 
-def create_app(client: Client, *, auth: Credentials | None = None) -> Starlette:
-    """The console's ASGI app over ``client`` (which the caller closes)."""
-    return Starlette(routes=Console(client, auth=auth).routes())
+def create_app(
+    client: Client,
+    *,
+    auth: Credentials | None = None,
+    allowed_hosts: Iterable[str] = (),
+    bind: str | None = None,
+) -> ASGIApp:
+    """The console's ASGI app over ``client`` (which the caller closes).
+
+    It answers requests whose Host is a loopback name, the address ``bind``
+    it is served on, or one of ``allowed_hosts`` (``name`` or ``name:port``),
+    and refuses any other with 400.
+    """
+    allowed = AllowedHosts.of(allowed_hosts, bind=bind)
+    return HostShield(Starlette(routes=Console(client, auth=auth).routes()), allowed)

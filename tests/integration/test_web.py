@@ -1,6 +1,7 @@
 """The web console over a real PostgreSQL and Redis: every page with data and
 empty, every action as the API does it, bad input shown and not written,
-CSRF and auth refusals, and ``sched web``'s bind check as a real process."""
+CSRF, auth and Host refusals, the security headers, and ``sched web``'s bind
+check and ``--allowed-host`` as a real process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import subprocess
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
@@ -35,9 +37,13 @@ def client(settings: Settings) -> Iterator[Client]:
         yield client
 
 
+#: The console serves the loopback names only, unless told others.
+LOCAL = "http://localhost"
+
+
 @pytest.fixture
 def web(client: Client) -> TestClient:
-    return TestClient(create_app(client))
+    return TestClient(create_app(client), base_url=LOCAL)
 
 
 def csrf_of(web: TestClient, path: str = "/schedules") -> str:
@@ -269,7 +275,7 @@ def test_a_post_without_the_csrf_token_is_refused_and_writes_nothing(
         web.post("/actions/pause", data={"name": "every-minute", "csrf": "forged"}).status_code
         == 403
     )
-    fresh = TestClient(create_app(client))  # no cookie at all
+    fresh = TestClient(create_app(client), base_url=LOCAL)  # no cookie at all
     assert fresh.post("/actions/cancel", data={"key": "order/001", "csrf": "x"}).status_code == 403
     info = client.schedules.get("every-minute")
     job = client.get("order/001")
@@ -278,7 +284,7 @@ def test_a_post_without_the_csrf_token_is_refused_and_writes_nothing(
 
 
 def test_auth_is_asked_and_checked(client: Client) -> None:
-    web = TestClient(create_app(client, auth=Credentials.parse("admin:s3cret")))
+    web = TestClient(create_app(client, auth=Credentials.parse("admin:s3cret")), base_url=LOCAL)
     assert web.get("/").status_code == 401
     wrong = base64.b64encode(b"admin:nope").decode()
     assert web.get("/", headers={"Authorization": f"Basic {wrong}"}).status_code == 401
@@ -286,10 +292,147 @@ def test_auth_is_asked_and_checked(client: Client) -> None:
     assert web.get("/", headers={"Authorization": f"Basic {right}"}).status_code == 200
 
 
+#: Host headers a DNS-rebinding page (or a misrouted request) arrives with.
+FORGED_HOSTS = [
+    "evil.example",
+    "evil.example:8808",
+    "localhost.evil.example",
+    "127.0.0.1.nip.io:8808",
+    "localhost:8808.evil.example",
+    "[::1].evil.example",
+    "",
+]
+
+
+@pytest.mark.parametrize("host", FORGED_HOSTS)
+def test_a_forged_host_is_refused_and_writes_nothing(
+    client: Client, web: TestClient, host: str
+) -> None:
+    seed(client)
+    before = {key: client.get(key) for key in ("dead-1", "dead-2", "order/001")}
+    # The cookie and token of a real visit, sent along: the Host alone refuses.
+    token = csrf_of(web, "/jobs")
+    forged = {"Host": host}
+    for path in ["/", "/schedules", "/jobs?status=dead&format=json", "/jobs/dead-1"]:
+        answer = web.get(path, headers=forged)
+        assert answer.status_code == 400, (path, answer.status_code)
+        assert answer.headers["content-type"].startswith("text/plain")
+        assert answer.text == "invalid Host header\n"
+    actions = [
+        ("requeue", {"key": "dead-1"}),
+        ("requeue-dead", {"task": "cli_app.ping"}),
+        ("cancel", {"key": "order/001"}),
+        ("pause", {"name": "every-minute"}),
+    ]
+    for op, fields in actions:
+        answer = web.post(f"/actions/{op}", data={"csrf": token, **fields}, headers=forged)
+        assert answer.status_code == 400, (op, answer.status_code)
+    assert {key: client.get(key) for key in before} == before
+    info = client.schedules.get("every-minute")
+    assert info is not None and not info.paused
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "localhost",
+        "localhost:8808",
+        "LocalHost",
+        "127.0.0.1",
+        "127.0.0.1:18808",
+        "[::1]",
+        "[::1]:80",
+    ],
+)
+def test_the_loopback_names_are_served(client: Client, web: TestClient, host: str) -> None:
+    seed(client)
+    token = csrf_of(web)
+    assert web.get("/schedules", headers={"Host": host}).status_code == 200
+    paused = web.post(
+        "/actions/pause",
+        data={"csrf": token, "name": "every-minute"},
+        headers={"Host": host},
+        follow_redirects=False,
+    )
+    assert paused.status_code == 303
+    info = client.schedules.get("every-minute")
+    assert info is not None and info.paused
+
+
+def test_allowed_hosts_are_served_and_no_others(client: Client) -> None:
+    app = create_app(client, allowed_hosts=["console.example.com", "10.0.0.5:8808"])
+    web = TestClient(app, base_url=LOCAL)
+    for host in [
+        "console.example.com",
+        "console.example.com:443",
+        "Console.Example.COM",
+        "10.0.0.5:8808",
+        "localhost",
+    ]:
+        assert web.get("/schedules", headers={"Host": host}).status_code == 200, host
+    for host in ["10.0.0.5", "10.0.0.5:9000", "example.com", "evil.console.example.com"]:
+        assert web.get("/schedules", headers={"Host": host}).status_code == 400, host
+
+
+def csp_of(answer: httpx.Response) -> dict[str, str]:
+    policy = answer.headers.get("content-security-policy", "")
+    directives = (part.strip().split(None, 1) for part in policy.split(";") if part.strip())
+    return {words[0]: words[1] if len(words) > 1 else "" for words in directives}
+
+
+def test_every_response_carries_the_security_headers(client: Client) -> None:
+    seed(client)
+    user = ("admin", "s3cret")
+    web = TestClient(create_app(client, auth=Credentials.parse("admin:s3cret")), base_url=LOCAL)
+    page = web.get("/", auth=user)
+    answers = {
+        "page": page,
+        "json": web.get("/jobs", params={"format": "json"}, auth=user),
+        "401": web.get("/"),
+        "404 job": web.get("/jobs/no-such-key", auth=user),
+        "404 route": web.get("/no/such/page", auth=user),
+        "403 csrf": web.post("/actions/pause", data={"name": "every-minute"}, auth=user),
+        "400 host": web.get("/", headers={"Host": "evil.example"}),
+        "405": web.post("/jobs", auth=user),
+    }
+    for what, answer in answers.items():
+        assert answer.headers.get("x-frame-options") == "DENY", what
+        assert answer.headers.get("x-content-type-options") == "nosniff", what
+        csp = csp_of(answer)
+        assert csp.get("default-src") == "'none'", (what, csp)
+        assert csp.get("frame-ancestors") == "'none'", (what, csp)
+        assert csp.get("form-action") == "'self'", (what, csp)
+        assert csp.get("base-uri") == "'none'", (what, csp)
+        assert "unsafe" not in answer.headers["content-security-policy"], what
+    assert answers["page"].status_code == 200 and answers["401"].status_code == 401
+    assert answers["400 host"].status_code == 400 and answers["405"].status_code == 405
+
+    # What the policy allows is what the pages use: a stylesheet of the
+    # console's own, inline SVG, forms posting to the console; no inline
+    # style or script, no javascript: link.
+    match = re.search(r'<link rel="stylesheet" href="(/[^"]+)">', page.text)
+    assert match is not None, "the page links no stylesheet"
+    css = web.get(match.group(1), auth=user)
+    assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+    assert "header" in css.text
+    assert csp_of(page).get("style-src") == "'self'"
+    pages = [
+        page,
+        web.get("/schedules", auth=user),
+        web.get("/schedules/every-minute", auth=user),
+        web.get("/jobs", auth=user),
+        web.get("/jobs/dead-1", auth=user),
+        answers["404 job"],
+    ]
+    for html in pages:
+        found = re.search(r"<style|<script|\sstyle=|\son[a-z]+=|javascript:", html.text, re.I)
+        assert found is None, (found, html.url)
+
+
 def _sched_web(
     settings: Settings, *args: str, timeout: float = 20
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **settings_env(settings)}
+    env = {**os.environ, **settings_env(settings), "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [CELERY, "-A", "tests.integration.cli_app", "sched", "web", *args],
         cwd=ROOT,
@@ -323,7 +466,7 @@ def test_a_non_loopback_bind_with_auth_answers_401_without_it(settings: Settings
     with Client(cli_app.app, settings=settings) as client:
         client.migrate()
     port = _free_port()
-    env = {**os.environ, **settings_env(settings)}
+    env = {**os.environ, **settings_env(settings), "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen(
         [
             CELERY,
@@ -362,8 +505,76 @@ def test_a_non_loopback_bind_with_auth_answers_401_without_it(settings: Settings
 
 def test_a_missing_schema_is_a_one_line_503(settings: Settings) -> None:
     with Client(cli_app.app, settings=settings) as client:  # never migrated
-        web = TestClient(create_app(client))
+        web = TestClient(create_app(client), base_url=LOCAL)
         for path in PAGES:
             answer = web.get(path)
             assert answer.status_code == 503, path
             assert "sched migrate" in answer.text and "Traceback" not in answer.text
+
+
+def _serve(
+    settings: Settings, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """A real ``sched web`` process; the caller ends it."""
+    return subprocess.Popen(
+        [CELERY, "-A", "tests.integration.cli_app", "sched", "web", *args],
+        cwd=ROOT,
+        env={**os.environ, **settings_env(settings), "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _status(url: str, host: str) -> int | None:
+    try:
+        return httpx.get(url, headers={"Host": host}, timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+@pytest.mark.parametrize("how", ["option", "setting"])
+def test_sched_web_serves_its_bound_address_and_the_allowed_hosts(
+    settings: Settings, how: str
+) -> None:
+    from tests.e2e.harness import wait_for
+
+    with Client(cli_app.app, settings=settings) as client:
+        client.migrate()
+    port = _free_port()
+    # 127.0.0.2 is loopback but none of the loopback names: it is served
+    # because the console is bound to it.
+    url = f"http://127.0.0.2:{port}/schedules"
+    if how == "option":
+        args = ["--allowed-host", "console.example.com", "--allowed-host", "ops.example.com"]
+        env = {}
+    else:
+        args = []
+        env = {"CELERY_SCHED_WEB_ALLOWED_HOSTS": "console.example.com, ops.example.com"}
+    server = _serve(settings, "--bind", f"127.0.0.2:{port}", *args, env=env)
+    try:
+        wait_for(
+            lambda: _status(url, f"127.0.0.2:{port}") is not None,
+            timeout=30,
+            what="the console to listen",
+        )
+        for host in [
+            f"127.0.0.2:{port}",
+            "console.example.com",
+            "ops.example.com:8443",
+            "localhost",
+        ]:
+            assert _status(url, host) == 200, host
+        for host in ["evil.example", f"evil.example:{port}", "example.com"]:
+            assert _status(url, host) == 400, host
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.mark.parametrize("value", ["http://console.example.com/", "a b", "x:port", ""])
+def test_a_bad_allowed_host_is_a_one_line_error(settings: Settings, value: str) -> None:
+    result = _sched_web(settings, "--bind", f"127.0.0.1:{_free_port()}", "--allowed-host", value)
+    assert result.returncode != 0
+    assert "allowed host" in result.stderr and repr(value) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

@@ -86,6 +86,8 @@ def chrome() -> object:
     options = webdriver.ChromeOptions()
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
         options.add_argument(flag)
+    # The console's log: a Content-Security-Policy refusal shows there.
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     assert binary and driver_path, "chromium and chromium-driver are missing: scripts/browser.sh"
@@ -102,6 +104,9 @@ def take_screenshots(base: str, folder: Path) -> list[Path]:
     try:
         driver.get(base + "/")  # type: ignore[attr-defined]
         assert driver.find_element(By.ID, "leaders")  # type: ignore[attr-defined]
+        # The stylesheet applies under the console's Content-Security-Policy.
+        header = driver.find_element(By.TAG_NAME, "header")  # type: ignore[attr-defined]
+        assert header.value_of_css_property("background-color") == "rgba(31, 59, 90, 1)"
         assert driver.find_elements(By.CSS_SELECTOR, "svg.chart")  # type: ignore[attr-defined]
         shots.append(folder / "overview.png")
         driver.save_screenshot(str(shots[-1]))  # type: ignore[attr-defined]
@@ -169,6 +174,12 @@ def test_the_console_in_headless_chromium(settings: Settings, tmp_path: Path) ->
                 driver.get(base + "/jobs/invoice/dead-2")  # type: ignore[attr-defined]
                 driver.find_element(By.XPATH, "//button[text()='Requeue']").click()  # type: ignore[attr-defined]
                 wait_text(driver, "job", "pending")
+                refused = [
+                    entry["message"]
+                    for entry in driver.get_log("browser")  # type: ignore[attr-defined]
+                    if "Content Security Policy" in entry["message"]
+                ]
+                assert refused == [], refused
             finally:
                 driver.quit()  # type: ignore[attr-defined]
         info = client.schedules.get("heartbeat")

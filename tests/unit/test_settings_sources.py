@@ -19,6 +19,7 @@ import pytest
 from celery import Celery
 
 from celery_sched.beat import Scheduler
+from celery_sched.errors import ConfigurationError
 from celery_sched.settings import IgnoredSettingWarning, Settings
 
 #: A valid value, different from the default, for the settings whose
@@ -31,6 +32,7 @@ SPECIAL = {
     "shards": 3,
     "shard": 2,
     "fast_publish": "off",
+    "web_allowed_hosts": ("console.example.com", "10.0.0.5:8808"),
 }
 
 
@@ -114,6 +116,17 @@ def test_a_plain_upper_case_settings_module_is_read(monkeypatch: pytest.MonkeyPa
     assert settings.database_url == "postgresql+psycopg://u:pw@db.example/app"
     assert settings.redis_url == "redis://cache.example:6379/7"
     assert settings.lease_ttl == 20.0
+
+
+def test_a_list_setting_reads_a_list_or_a_comma_separated_string() -> None:
+    hosts = ("console.example.com", "10.0.0.5:8808")
+    env = {"CELERY_SCHED_WEB_ALLOWED_HOSTS": " console.example.com , 10.0.0.5:8808,"}
+    assert Settings.from_mapping({}, env).web_allowed_hosts == hosts
+    listed = {"celery_sched_web_allowed_hosts": list(hosts)}
+    assert Settings.from_mapping(listed, {}).web_allowed_hosts == hosts
+    assert Settings.from_mapping({}, {}).web_allowed_hosts == ()
+    with pytest.raises(ConfigurationError, match="web_allowed_hosts must be a list of strings"):
+        Settings.from_mapping({"celery_sched_web_allowed_hosts": [1, 2]}, {})
 
 
 # -- precedence -------------------------------------------------------------------------

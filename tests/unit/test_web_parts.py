@@ -9,7 +9,7 @@ import datetime as dt
 import pytest
 
 from celery_sched.errors import ConfigurationError
-from celery_sched.web.app import Credentials, check_bind, is_loopback
+from celery_sched.web.app import AllowedHosts, Credentials, check_bind, is_loopback
 from celery_sched.web.words import bar_chart, schedule_words
 
 
@@ -66,3 +66,42 @@ def test_only_loopback_may_go_without_auth() -> None:
     check_bind("0.0.0.0", auth=None, insecure=True)
     with pytest.raises(ConfigurationError, match="needs --auth"):
         check_bind("0.0.0.0", auth=None, insecure=False)
+
+
+def test_allowed_hosts_are_the_loopback_names_the_bind_and_those_given() -> None:
+    default = AllowedHosts.of([])
+    for host in ("localhost", "LOCALHOST:8808", "127.0.0.1", "127.0.0.1:1", "[::1]", "[::1]:8808"):
+        assert default.allow(host), host
+    for host in (
+        "",
+        " ",
+        "evil.example",
+        "127.0.0.2",
+        "localhost:",
+        "localhost:0",
+        "localhost:65536",
+        "localhost:80:80",
+        "localhost:8808.evil.example",
+        "[::1].evil.example",
+        "[::1",
+        "local host",
+        "localhost/",
+    ):
+        assert not default.allow(host), host
+
+    given = AllowedHosts.of(["Console.Example.com", "10.0.0.5:8808", "fe80::1"], bind="10.0.0.9")
+    for host in ("console.example.com:443", "10.0.0.5:8808", "[fe80::1]:80", "10.0.0.9:8808"):
+        assert given.allow(host), host
+    for host in ("10.0.0.5", "10.0.0.5:8809", "www.console.example.com"):
+        assert not given.allow(host), host
+    # Every interface is no name a client uses.
+    assert AllowedHosts.of([], bind="0.0.0.0").names == AllowedHosts.of([]).names
+    assert AllowedHosts.of([], bind="::").names == AllowedHosts.of([]).names
+    assert AllowedHosts.of([], bind="::1").allow("[::1]:8808")
+
+
+@pytest.mark.parametrize("bad", ["", "http://console.example.com/", "a b", "x:port", "[::1", "h:0"])
+def test_a_bad_allowed_host_is_refused_by_name(bad: str) -> None:
+    with pytest.raises(ConfigurationError, match="allowed host") as info:
+        AllowedHosts.of(["ok.example.com", bad])
+    assert repr(bad) in str(info.value)
