@@ -1,9 +1,9 @@
 """A private PostgreSQL primary and streaming replica, for failover tests and the soak.
 
 :func:`pg_pair` starts a primary (``initdb`` and ``pg_ctl`` of
-``CELERY_SCHED_TEST_PG_BIN``, default ``/usr/lib/postgresql/15/bin``) on a
-free loopback port in a directory of its own under ``/tmp``, and a hot
-standby made with ``pg_basebackup -R`` on another port, replicating
+``CELERY_SCHED_TEST_PG_BIN``, default ``/usr/lib/postgresql/15/bin``, else
+the newest installed) on a free loopback port in a directory of its own
+under ``/tmp``, and a hot standby made with ``pg_basebackup -R`` on another port, replicating
 synchronously (the primary's commits wait for the standby's flush) or
 asynchronously. :meth:`PgPair.failover` stops the primary with ``-m
 immediate`` and promotes the standby (``pg_ctl promote``);
@@ -31,7 +31,19 @@ import psycopg
 
 from tests.e2e.harness import free_port, wait_for
 
-PG_BIN = Path(os.environ.get("CELERY_SCHED_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+def _pg_bin() -> Path:
+    """``CELERY_SCHED_TEST_PG_BIN``, else version 15's, else the newest installed."""
+    if "CELERY_SCHED_TEST_PG_BIN" in os.environ:
+        return Path(os.environ["CELERY_SCHED_TEST_PG_BIN"])
+    default = Path("/usr/lib/postgresql/15/bin")
+    installed = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3])
+    )
+    return default if default.exists() or not installed else installed[-1].parent
+
+
+PG_BIN = _pg_bin()
 #: Settings of every node (the standby copies them with the data directory).
 CONFIG = """
 listen_addresses = '127.0.0.1'
