@@ -344,15 +344,22 @@ class Faults:
         return f"{proc.name} an hour ahead for {ahead:.1f}s, then back"
 
     def broker_queue_delete(self) -> str:
-        # The workers keep up with the stream: wait (a little) for a moment
-        # when messages are waiting, so that the DEL drops some.
+        # The workers keep the queue empty (each holds a blocking pop): paused
+        # for a moment (their main processes, which fetch), they let messages
+        # gather for the DEL to drop.
+        workers = [proc for _slot, proc in self.roster.of_role("worker")]
+        for proc in workers:
+            proc.signal(signal.SIGSTOP)
         deadline = time.monotonic() + 5.0
         try:
             with self.broker.client() as client:
-                while not client.llen(self.cluster.queue) and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                while client.llen(self.cluster.queue) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 deleted = client.pipeline().llen(self.cluster.queue).delete(self.cluster.queue)
                 waiting, _ = deleted.execute()
         except redis.RedisError as exc:
             return f"failed: {exc}"
+        finally:
+            for proc in workers:
+                proc.signal(signal.SIGCONT)
         return f"{waiting} messages deleted"
