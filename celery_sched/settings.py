@@ -58,6 +58,15 @@ class IgnoredSettingWarning(UserWarning):
     gives the same setting a different value."""
 
 
+def _host_and_port(host: str) -> tuple[str, str]:
+    """``("h", "5432")`` of ``"h:5432"``, ``("h", "")`` of ``"h"``; an IPv6
+    address is written in brackets (``[::1]:5432``)."""
+    if host.endswith("]") or ":" not in host:
+        return host.strip("[]"), ""
+    name, _colon, port = host.rpartition(":")
+    return name.strip("[]"), port
+
+
 def _field(default: Any, doc: str, *, kind: type[Any] | None = None) -> Any:
     """A setting; ``kind`` is its type when the default (``None``: unset)
     does not say it."""
@@ -414,8 +423,17 @@ class Settings:
         try:
             url = make_url(self.database_url)
         except (ArgumentError, ValueError) as exc:
+            hint = ""
+            if "," in self.database_url.partition("?")[0].rpartition("@")[2]:
+                # libpq's own host list (`h1:5432,h2:5432` in the authority).
+                hint = (
+                    "; name several hosts as query parameters: "
+                    "postgresql+psycopg://user@/db?host=h1:5432&host=h2:5432"
+                    "&target_session_attrs=read-write"
+                )
             raise InvalidURL(
-                f"celery_sched_database_url is not a valid URL: {sanitize_url(self.database_url)}"
+                f"celery_sched_database_url is not a valid URL: "
+                f"{sanitize_url(self.database_url)}{hint}"
             ) from exc
         backend = url.get_backend_name()
         if backend not in ("postgresql", "postgres"):
@@ -430,10 +448,24 @@ class Settings:
         return url.set(drivername="postgresql+psycopg")
 
     def libpq_conninfo(self) -> str:
-        """The database URL as a libpq URI for raw psycopg connections."""
-        return (
-            self.sqlalchemy_url().set(drivername="postgresql").render_as_string(hide_password=False)
-        )
+        """The database URL as a libpq URI for raw psycopg connections.
+
+        SQLAlchemy's multi-host form (``?host=h1:5432&host=h2:5433``)
+        becomes libpq's lists (``?host=h1,h2&port=5432,5433``): libpq keeps
+        only the last of repeated parameters.
+        """
+        url = self.sqlalchemy_url().set(drivername="postgresql")
+        hosts = url.query.get("host")
+        if isinstance(hosts, tuple) and len(hosts) > 1:
+            pairs = [_host_and_port(host) for host in hosts]
+            url = url.update_query_dict(
+                {
+                    "host": ",".join(name for name, _port in pairs),
+                    # An empty port in libpq's list means the default one.
+                    "port": ",".join(port for _name, port in pairs),
+                }
+            )
+        return url.render_as_string(hide_password=False)
 
     # Cached: every retried statement names its URL (the per-task ledger
     # statements included). The settings are frozen, so it cannot go stale.

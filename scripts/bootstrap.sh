@@ -88,6 +88,28 @@ if ! command -v prometheus >/dev/null 2>&1 && [[ ! -x /usr/bin/prometheus ]]; th
     fi
 fi
 
+# The fault tests and the soak's extra faults (tests/fault, tests/soak/faults.py):
+# iptables drops a beat's packets to Redis (a partition), libfaketime moves a
+# beat's wall clock (gcc builds the small sleep fix tests/faketime.py preloads
+# with it), and the PostgreSQL failover test runs the server's own binaries
+# (initdb, pg_ctl, pg_basebackup of the PostgreSQL server services.sh starts).
+missing_fault_tools=()
+command -v iptables >/dev/null 2>&1 || [[ -x /usr/sbin/iptables ]] || missing_fault_tools+=(iptables)
+[[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]] || missing_fault_tools+=(faketime)
+command -v gcc >/dev/null 2>&1 || missing_fault_tools+=(gcc libc6-dev)
+if ((${#missing_fault_tools[@]})); then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "installing ${missing_fault_tools[*]} (Debian packages) for the fault tests"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing_fault_tools[@]}" \
+            >/dev/null 2>&1 || {
+            apt-get update -qq >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing_fault_tools[@]}" >/dev/null
+        }
+    else
+        log "WARNING: ${missing_fault_tools[*]} not installed; the fault tests will fail until they are"
+    fi
+fi
+
 # The web console's browser test drives a real headless Chromium.
 bash "$ROOT/scripts/browser.sh"
 

@@ -388,10 +388,19 @@ class RedisServer:
     """A private ``redis-server`` on a loopback port of its own, without
     persistence, so that :meth:`restart` brings it back empty."""
 
-    def __init__(self, name: str, log_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        log_dir: Path,
+        port: int | None = None,
+        binds: Sequence[str] = ("127.0.0.1",),
+    ) -> None:
         self.name = name
         self.log_dir = log_dir
         self.port = port or free_port()
+        #: The loopback addresses it listens on (a partition fault cuts one
+        #: client off by dropping the packets of the address it uses).
+        self.binds = tuple(binds)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: Proc | None = None
         self.starts = 0
@@ -405,7 +414,7 @@ class RedisServer:
                 "--port",
                 str(self.port),
                 "--bind",
-                "127.0.0.1",
+                *self.binds,
                 "--save",
                 "",
                 "--appendonly",
@@ -417,6 +426,10 @@ class RedisServer:
             env=dict(os.environ),
         )
         wait_for(self.ping, timeout=timeout, interval=0.05, what=f"{self.name} to answer PING")
+
+    def url_at(self, address: str) -> str:
+        """Its URL through one of :attr:`binds`."""
+        return f"redis://{address}:{self.port}/0"
 
     def ping(self) -> bool:
         try:

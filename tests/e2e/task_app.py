@@ -32,6 +32,13 @@ app.conf.update(
     beat_max_loop_interval=1,
 )
 
+if os.environ.get("E2E_EVERY_SECOND") == "1":
+    # A periodic Task schedule for the tests that need one (the clock jump):
+    # its occurrences are keyed `every-second@<instant>`, like any job.
+    app.conf.beat_schedule = {
+        "every-second": {"task": "tasks.effect", "schedule": 1.0, "args": ("every-second",)}
+    }
+
 #: Tables the tests read; created by the test before any process starts.
 TABLES = (
     "CREATE TABLE {s}.effects (key text, task_id text, note text)",

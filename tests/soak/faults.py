@@ -4,6 +4,12 @@ Every fault touches only the soak's own processes and services: its beats
 and workers (children of this process), its private ``redis-server``
 instances and its own PostgreSQL database. Each injection returns a
 :class:`~tests.soak.checker.FaultWindow` (kind, start, end, recovery grace).
+
+:data:`EXTRA_KINDS` need the soak set up for them (``--extra-faults``, see
+:class:`Extras`): its database on a private primary with a synchronous
+standby (``tests/pg_cluster.py``), each beat reaching the staging Redis
+through a loopback address of its own (``tests/netfault.py``), and each
+beat's wall clock under libfaketime (``tests/faketime.py``).
 """
 
 from __future__ import annotations
@@ -13,12 +19,18 @@ import os
 import random
 import signal
 import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import redis
 
 from tests.e2e.harness import Cluster, Proc, RedisServer
+from tests.faketime import FakeClock, faketime_missing
+from tests.netfault import Partition, iptables_missing
+from tests.pg_cluster import PgPair, binaries_missing, pg_pair
 from tests.soak.checker import FaultWindow
 
 KINDS = (
@@ -31,6 +43,48 @@ KINDS = (
     "pg_terminate",
     "broker_client_kill",
 )
+#: Kinds that need the soak set up by :class:`Extras` (``--extra-faults``).
+EXTRA_KINDS = (
+    "pg_failover",
+    "redis_partition",
+    "clock_jump",
+    "broker_queue_delete",
+)
+
+
+class Extras:
+    """What :data:`EXTRA_KINDS` need before the soak starts: the database on
+    a :class:`~tests.pg_cluster.PgPair` (synchronous: the soak's checker owes
+    every committed job a run), a staging Redis listening on one loopback
+    address per beat, and one fake clock per beat."""
+
+    def __init__(self, tmp: Path) -> None:
+        problems = [p for p in (binaries_missing(), iptables_missing(), faketime_missing()) if p]
+        if problems:
+            raise RuntimeError("; ".join(problems))
+        self.tmp = tmp
+        self.pair: PgPair | None = None
+        self.clocks: dict[str, FakeClock] = {}
+
+    @contextlib.contextmanager
+    def database(self) -> Iterator[str]:
+        """The SQLAlchemy URL of the pair's database (``postgres``)."""
+        with pg_pair(synchronous=True) as pair:
+            self.pair = pair
+            yield pair.database_url()
+
+    @staticmethod
+    def address(n: int) -> str:
+        """Beat ``n``'s own address of the staging Redis."""
+        return f"127.0.0.{n + 1}"
+
+    def staging_binds(self, beats: int) -> tuple[str, ...]:
+        return ("127.0.0.1", *(self.address(n) for n in range(1, beats + 1)))
+
+    def beat_env(self, n: int, staging: RedisServer) -> dict[str, str]:
+        """The environment of beat ``n`` (slot ``beat<n>``)."""
+        clock = self.clocks[f"beat{n}"] = FakeClock(self.tmp, f"beat{n}")
+        return {"CELERY_SCHED_REDIS_URL": staging.url_at(self.address(n)), **clock.env()}
 
 
 class Roster:
@@ -98,7 +152,9 @@ class Faults:
         admin_dsn: str,
         database: str,
         rng: random.Random,
+        extras: Extras | None = None,
     ) -> None:
+        self.extras = extras
         self.cluster = cluster
         self.roster = roster
         self.staging = staging
@@ -123,6 +179,12 @@ class Faults:
             "broker_restart": 10.0,
             "pg_terminate": 5.0,
             "broker_client_kill": 10.0,
+            # Connections fail over within the retries; a new standby follows.
+            "pg_failover": takeover + 5.0,
+            "redis_partition": takeover,
+            "clock_jump": 5.0,
+            # The deleted messages come back after their visibility timeout.
+            "broker_queue_delete": s.visibility_timeout + 2 * s.reconcile_interval,
         }
 
     def inject(self, kind: str) -> FaultWindow:
@@ -237,3 +299,67 @@ class Faults:
         except redis.RedisError as exc:
             return f"failed: {exc}"
         return f"{killed} connections"
+
+    # -- the extra kinds (Extras) --
+
+    def _extras(self) -> Extras:
+        assert self.extras is not None, "the extra kinds need the runner's --extra-faults"
+        return self.extras
+
+    def pg_failover(self) -> str:
+        pair = self._extras().pair
+        assert pair is not None
+        started = time.monotonic()
+        pair.failover()
+        promoted = time.monotonic() - started
+        # A standby again for the next round (synchronous once streaming).
+        pair.rebuild_standby()
+        return f"promoted port {pair.primary.port} after {promoted:.1f}s, standby rebuilt"
+
+    def redis_partition(self) -> str:
+        found = self._leader()
+        if found is None:
+            return "skipped: no live leader"
+        _slot, proc = found
+        address = urllib.parse.urlsplit(proc.env["CELERY_SCHED_REDIS_URL"]).hostname or ""
+        cut = 2 * self.lease_ttl + self.rng.uniform(0.5, 2.5)
+        with Partition(address, self.staging.port):
+            time.sleep(cut)
+        return f"{proc.name} ({address}) cut off {cut:.1f}s"
+
+    def clock_jump(self) -> str:
+        found = self._leader()
+        if found is None:
+            return "skipped: no live leader"
+        slot, proc = found
+        clock = self._extras().clocks[slot]
+        ahead = self.rng.uniform(3.0, 6.0)
+        clock.shift(3600)
+        try:
+            time.sleep(ahead)
+        finally:
+            clock.shift(0)
+        # The process reads the clock file at most a second late.
+        time.sleep(1.5)
+        return f"{proc.name} an hour ahead for {ahead:.1f}s, then back"
+
+    def broker_queue_delete(self) -> str:
+        # The workers keep the queue empty (each holds a blocking pop): paused
+        # for a moment (their main processes, which fetch), they let messages
+        # gather for the DEL to drop.
+        workers = [proc for _slot, proc in self.roster.of_role("worker")]
+        for proc in workers:
+            proc.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        try:
+            with self.broker.client() as client:
+                while client.llen(self.cluster.queue) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                deleted = client.pipeline().llen(self.cluster.queue).delete(self.cluster.queue)
+                waiting, _ = deleted.execute()
+        except redis.RedisError as exc:
+            return f"failed: {exc}"
+        finally:
+            for proc in workers:
+                proc.signal(signal.SIGCONT)
+        return f"{waiting} messages deleted"

@@ -44,7 +44,7 @@ from celery_sched.errors import CelerySchedError
 from celery_sched.settings import Settings
 from tests.e2e.harness import Cluster, RedisServer, private_database, wait_for, with_database
 from tests.soak.checker import Manifest, check
-from tests.soak.faults import KINDS, Faults, Roster
+from tests.soak.faults import EXTRA_KINDS, KINDS, Extras, Faults, Roster
 from tests.soak.spec import ONE_OFF_TASKS, TABLES
 
 PG_URL = os.environ.get(
@@ -118,8 +118,11 @@ def _unfinished(cluster: Cluster, stream_end: float) -> int:
     return int(rows[0][0])
 
 
-def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, Any]:
-    staging = RedisServer("redis-staging", tmp)
+def soak(
+    args: argparse.Namespace, tmp: Path, database_url: str, extras: Extras | None = None
+) -> dict[str, Any]:
+    binds = extras.staging_binds(args.beats) if extras else ("127.0.0.1",)
+    staging = RedisServer("redis-staging", tmp, binds=binds)
     broker = RedisServer("redis-broker", tmp)
     staging.start()
     broker.start()
@@ -171,7 +174,8 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
         )
         roster = Roster(cluster)
         for n in range(1, args.beats + 1):
-            roster.add(f"beat{n}", "beat", cluster.start_beat(f"beat{n}"))
+            env = extras.beat_env(n, staging) if extras else {}
+            roster.add(f"beat{n}", "beat", cluster.start_beat(f"beat{n}", **env))
         for n in range(1, args.workers + 1):
             roster.add(
                 f"worker{n}",
@@ -194,6 +198,7 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
             admin_dsn=with_database(dsn, "postgres"),
             database=settings.sqlalchemy_url().database or "",
             rng=random.Random(rng.random()),
+            extras=extras,
         )
         stream_start = time.time()
         stream_end = stream_start + args.minutes * 60
@@ -210,7 +215,7 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
                 roster.supervise(time.time() - stream_start)
                 if time.time() >= next_fault and next_fault < stream_end - 5:
                     if not order:
-                        order = list(KINDS)
+                        order = list(KINDS + (EXTRA_KINDS if extras else ()))
                         rng.shuffle(order)
                     kind = order.pop(0)
                     window = faults.inject(kind)
@@ -291,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-min", type=float, default=10.0)
     parser.add_argument("--fault-max", type=float, default=20.0)
     parser.add_argument("--keep", action="store_true", help="keep the logs even when clean")
+    parser.add_argument(
+        "--extra-faults",
+        action="store_true",
+        help="also fail PostgreSQL over, partition a beat from Redis, jump a beat's clock and "
+        "delete the broker queue (needs root, iptables, faketime, PostgreSQL binaries)",
+    )
     args = parser.parse_args(argv)
     # celery_sched's own warnings in this process (the client's retries).
     logging.basicConfig(
@@ -303,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="celery_sched_soak_"))
     progress("soak: seed %d, %.1f minutes, logs in %s", args.seed, args.minutes, tmp)
-    with private_database(PG_URL) as database_url:
-        result = soak(args, tmp, database_url)
+    extras = Extras(tmp) if args.extra_faults else None
+    with extras.database() if extras else private_database(PG_URL) as database_url:
+        result = soak(args, tmp, database_url, extras)
     clean = not result["violations"] and not result["violation_counts"]
     if clean and not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery
 
@@ -110,6 +111,40 @@ def test_database_url_is_forced_onto_psycopg() -> None:
     settings = Settings(database_url="postgresql://u:pw@db:5433/app")
     assert settings.sqlalchemy_url().drivername == "postgresql+psycopg"
     assert settings.libpq_conninfo() == "postgresql://u:pw@db:5433/app"
+
+
+def test_multi_host_database_url_reaches_every_host_over_libpq() -> None:
+    # SQLAlchemy's multi-host form (one `host=` per server): libpq keeps only
+    # the last of repeated `host=` parameters, so the raw connections (the
+    # worker's hot pool, the probe) must get comma-separated lists instead.
+    url = (
+        "postgresql+psycopg://u:hunter2@/app?host=db1:5432&host=db2:5433"
+        "&target_session_attrs=read-write"
+    )
+    settings = Settings(database_url=url)
+    params = psycopg.conninfo.conninfo_to_dict(settings.libpq_conninfo())
+    assert params == {
+        "user": "u",
+        "password": "hunter2",
+        "dbname": "app",
+        "host": "db1,db2",
+        "port": "5432,5433",
+        "target_session_attrs": "read-write",
+    }
+    assert "hunter2" not in settings.safe_database_url
+
+
+def test_multi_host_database_url_without_ports_keeps_default_port() -> None:
+    settings = Settings(database_url="postgresql://u@/app?host=db1&host=db2:6000")
+    params = psycopg.conninfo.conninfo_to_dict(settings.libpq_conninfo())
+    assert (params["host"], params["port"]) == ("db1,db2", ",6000")
+
+
+def test_libpq_multi_host_authority_gets_a_clear_error() -> None:
+    # libpq's own list in the authority is no SQLAlchemy URL; say which form is.
+    with pytest.raises(InvalidURL, match=r"host=h1:5432&host=h2:5432") as info:
+        Settings(database_url="postgresql+psycopg://u:hunter2@db1:5432,db2:5432/app")
+    assert "hunter2" not in str(info.value)
 
 
 @pytest.mark.parametrize(
