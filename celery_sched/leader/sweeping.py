@@ -21,6 +21,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from celery_sched.models import DueSpan
+
 if TYPE_CHECKING:
     from celery_sched.interfaces import JobStore
     from celery_sched.leader.claiming import Claimer
@@ -139,4 +141,5 @@ class Sweeper:
         except Exception:
             return
         if jobs and self._publisher.holds(epoch):
-            self._publisher.settle("release", [job.id for job in jobs], epoch)
+            due = DueSpan.of(job.due_at for job in jobs)
+            self._publisher.settle("release", [job.id for job in jobs], epoch, due=due)
