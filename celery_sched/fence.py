@@ -30,6 +30,7 @@ unreachable, which runs (at-least-once), as do all deliveries for
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -43,7 +44,13 @@ from celery.worker.state import task_ready
 from celery_sched import backends
 from celery_sched.errors import CelerySchedError
 from celery_sched.models import DeliveryCheck
-from celery_sched.protocol import ATTEMPT_HEADER, request_attempt, request_job_id
+from celery_sched.protocol import (
+    ATTEMPT_HEADER,
+    DUE_HEADER,
+    request_attempt,
+    request_due,
+    request_job_id,
+)
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import Ledger
@@ -68,13 +75,15 @@ class DeliveryFence:
         self.reopen_after = reopen_after
         self._open_until = 0.0
 
-    def check(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
+    def check(
+        self, job_id: uuid.UUID, attempt: int | None, due_at: dt.datetime | None = None
+    ) -> DeliveryCheck:
         """Whether the delivery runs, and as which attempt (see
         :meth:`~celery_sched.interfaces.Ledger.check_delivery`)."""
         if time.monotonic() < self._open_until:
             return DeliveryCheck()
         try:
-            return self.ledger.check_delivery(job_id, attempt)
+            return self.ledger.check_delivery(job_id, attempt, due_at=due_at)
         except CelerySchedError as exc:
             self._open_until = time.monotonic() + self.reopen_after
             logger.warning(
@@ -104,7 +113,12 @@ class FencedRequest:
         if job_id is None:
             return False
         attempt = request_attempt(request)
-        check = fence_for(request.task.app).check(job_id, attempt)
+        check = fence_for(request.task.app).check(job_id, attempt, request_due(request))
+        if check.due_at is not None:
+            # The job was made due again (a requeue by hand) since this
+            # message was sent: its status reports must name the row's due
+            # time, or they would find no row.
+            request._request_dict[DUE_HEADER] = check.due_at.isoformat()
         if check.adopted is not None:
             # This copy runs as the job's new attempt: the pool child reads
             # its headers from the request dict, so its status reports and

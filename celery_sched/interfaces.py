@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from celery_sched.models import (
     DeliveryCheck,
+    DueSpan,
     Job,
     JobQuery,
     JobStatus,
@@ -266,14 +267,20 @@ class Jobs(StoreLifecycle):
         """
 
     @abc.abstractmethod
-    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int, due: DueSpan) -> int:
         """dispatched -> pending for jobs this epoch claimed but could not publish.
 
         Fenced: only rows with ``leader_epoch = epoch`` move. Returns the count.
+        ``due`` spans the jobs' due times (the claimed jobs'): a job due
+        outside it is not looked for, and so not moved; so for every
+        transition by id of the leader (:meth:`mark_expired`,
+        :meth:`fail_dispatch`, :meth:`mark_missed`).
         """
 
     @abc.abstractmethod
-    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+    def mark_expired(
+        self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str, due: DueSpan
+    ) -> int:
         """dispatched -> expired (fenced), with ``reason`` as ``last_error``.
 
         Only jobs whose ``expires_at`` has passed by the store's clock move:
@@ -282,7 +289,7 @@ class Jobs(StoreLifecycle):
 
     @abc.abstractmethod
     def fail_dispatch(
-        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int, due: DueSpan
     ) -> ReconcileResult:
         """Count a failed publish against each job: ``(id, why)`` pairs.
 
@@ -297,7 +304,7 @@ class Jobs(StoreLifecycle):
 
     @abc.abstractmethod
     def mark_missed(
-        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int, due: DueSpan
     ) -> list[uuid.UUID]:
         """dispatched -> missed: ``(id, why)`` pairs of occurrences the misfire
         policy drops at their first dispatch.
@@ -445,19 +452,39 @@ class WorkerReports(StoreLifecycle):
 
     @abc.abstractmethod
     def mark_running(
-        self, job_id: uuid.UUID, *, worker: str, worker_pid: int | None = None
+        self,
+        job_id: uuid.UUID,
+        *,
+        worker: str,
+        worker_pid: int | None = None,
+        due_at: dt.datetime | None = None,
     ) -> bool:
-        """dispatched/retrying/pending -> running (started_at, worker, worker_pid)."""
+        """dispatched/retrying/pending -> running (started_at, worker, worker_pid).
+
+        ``due_at`` (every transition of a worker's): the job's due time from
+        its message; a job due at another time is not moved. ``None`` (a
+        message without the header) finds the job among those due by
+        :data:`~celery_sched.models.SENT_DUE_MARGIN` from now."""
 
     @abc.abstractmethod
     def mark_finished(
-        self, job_id: uuid.UUID, status: JobStatus, *, error: str | None = None
+        self,
+        job_id: uuid.UUID,
+        status: JobStatus,
+        *,
+        error: str | None = None,
+        due_at: dt.datetime | None = None,
     ) -> bool:
         """Any unfinished status -> ``status`` (a finished one), finished_at set."""
 
     @abc.abstractmethod
     def mark_retrying(
-        self, job_id: uuid.UUID, *, error: str | None = None, retry_in: float | None = None
+        self,
+        job_id: uuid.UUID,
+        *,
+        error: str | None = None,
+        retry_in: float | None = None,
+        due_at: dt.datetime | None = None,
     ) -> bool:
         """running -> retrying (a Celery retry is on its way), ``dispatched_at``
         set to when the retry is due: the store's now plus ``retry_in``
@@ -472,7 +499,8 @@ class WorkerReports(StoreLifecycle):
         (``running``), :meth:`mark_retrying` (``retrying``, with its
         ``retry_in``) or
         :meth:`mark_finished` (``succeeded`` / ``failed``): finished jobs are
-        never changed, and timestamps come from the store's clock. A
+        never changed, and timestamps come from the store's clock; each
+        report's ``due_at`` applies as in :meth:`mark_running`. A
         ``pending`` report (its worker process was lost) requeues a
         dispatched or running job whose ``attempt`` is the report's (any, if
         the report has none): pending with ``attempt + 1`` and the report's
@@ -868,6 +896,7 @@ class Ledger(abc.ABC):
         job_id: uuid.UUID | None = None,
         attempt: int | None = None,
         take_completed: bool = False,
+        due_at: dt.datetime | None = None,
     ) -> LedgerClaim:
         """Take ``key`` for ``owner`` unless it is completed or held under a live lease.
 
@@ -889,7 +918,10 @@ class Ledger(abc.ABC):
         an older attempt while the row is pending or dispatched (nobody has
         started the job since it was requeued) is not refused but adopted,
         as :meth:`check_delivery` does, in the same statement:
-        ``ACQUIRED`` with ``adopted`` set.
+        ``ACQUIRED`` with ``adopted`` set. ``due_at``: the job's due time
+        from the message (see :meth:`check_delivery`); a row due at another
+        time is not found (the ledger still keeps one completed execution
+        per key).
 
         ``take_completed``: a completed key whose recorded job id is set and
         differs from ``job_id`` belongs to an earlier job that used the same
@@ -899,7 +931,9 @@ class Ledger(abc.ABC):
         """
 
     @abc.abstractmethod
-    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
+    def check_delivery(
+        self, job_id: uuid.UUID, attempt: int | None, *, due_at: dt.datetime | None = None
+    ) -> DeliveryCheck:
         """Whether a delivery of ``job_id`` at ``attempt`` may run (the fence
         of :meth:`acquire`, for deliveries that take no ledger key).
 
@@ -916,7 +950,14 @@ class Ledger(abc.ABC):
         every later copy, are refused. One statement on one
         job row by primary key, tried once: an unreachable backend raises
         :class:`~celery_sched.errors.StoreUnavailable` at once (the caller
-        decides to run the delivery)."""
+        decides to run the delivery).
+
+        ``due_at``: the job's due time from the message (its
+        ``celery_sched_due`` header). No row due then (a requeue by hand made
+        the job due again since), or no ``due_at`` (a message without the
+        header), and the row is looked for among the jobs due by
+        :data:`~celery_sched.models.SENT_DUE_MARGIN` from now; found at
+        another due time, the answer's ``due_at`` is the row's."""
 
     @abc.abstractmethod
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:

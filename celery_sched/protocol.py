@@ -6,7 +6,8 @@ Every writer and reader of a job's message imports from here:
   ``headers`` option may not take, and :data:`MAX_KEY_LENGTH`;
 - the headers of a message (:func:`base_headers`, :func:`message_headers`),
   built by the dispatchers, and their reading back on a worker
-  (:func:`header`, :func:`request_job_id`, :func:`request_attempt`), by
+  (:func:`header`, :func:`request_job_id`, :func:`request_attempt`,
+  :func:`request_due`), by
   ``celery_sched.Task``, the status tracking and the delivery fence;
 - the body (``[args, kwargs, embed]`` in the app's task serializer) with its
   ``argsrepr`` / ``kwargsrepr``, encoded once when a job is scheduled
@@ -65,8 +66,12 @@ ATTEMPT_HEADER = "celery_sched_attempt"
 EPOCH_HEADER = "celery_sched_epoch"
 #: Failed executions so far (a header ``celery_sched.Task``'s retries carry).
 FAILURES_HEADER = "celery_sched_failures"
+#: The job's due time (ISO 8601, UTC, to the microsecond): a worker's
+#: statements about the job name its row by id *and* due time, so PostgreSQL
+#: reads one partition of the jobs table instead of locking them all.
+DUE_HEADER = "celery_sched_due"
 #: celery_sched headers a retried message must keep.
-CARRIED_HEADERS = (KEY_HEADER, ATTEMPT_HEADER, EPOCH_HEADER, FAILURES_HEADER)
+CARRIED_HEADERS = (KEY_HEADER, ATTEMPT_HEADER, EPOCH_HEADER, FAILURES_HEADER, DUE_HEADER)
 
 #: Longest job key, and longest idempotency key of ``celery_sched.Task``.
 MAX_KEY_LENGTH = 512
@@ -235,6 +240,7 @@ def message_headers(
         "kwargsrepr": job.kwargsrepr,
         KEY_HEADER: job.key,
         ATTEMPT_HEADER: job.attempt,
+        DUE_HEADER: job.due_at.isoformat(),
     }
     if defaults is not None and defaults.has_time_limits:
         if options:
@@ -320,6 +326,21 @@ def request_attempt(request: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def request_due(request: Any) -> dt.datetime | None:
+    """The ``celery_sched_due`` header of a task request, ``None`` if absent
+    (a message sent before it existed) or odd."""
+    value = header(request, DUE_HEADER)
+    if not isinstance(value, str):
+        return None
+    try:
+        due = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if due.utcoffset() is None:
+        return None
+    return due.astimezone(dt.UTC)
 
 
 def header_count(request: Any, name: str) -> int:

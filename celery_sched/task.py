@@ -80,6 +80,7 @@ from celery_sched.protocol import (
     header,
     header_count,
     request_attempt,
+    request_due,
     request_job_id,
 )
 from celery_sched.validation import check_task_options
@@ -325,6 +326,7 @@ class Task(celery.Task[..., Any]):
                 # The job key is this job's own: a completion recorded for
                 # another job id is an earlier job's (see the module doc).
                 take_completed=self.idempotency_key is None and job_id is not None,
+                due_at=request_due(request),
             )
         except CelerySchedError as exc:
             # Without the ledger nobody can tell whether this already ran:
@@ -477,7 +479,9 @@ class Task(celery.Task[..., Any]):
         if job_id is not None:
             reason = f"{error} (attempt {made} of {limit}); giving up"
             try:
-                runtime.store.mark_finished(job_id, JobStatus.DEAD, error=reason)
+                runtime.store.mark_finished(
+                    job_id, JobStatus.DEAD, error=reason, due_at=request_due(request)
+                )
             except CelerySchedError as store_exc:
                 logger.warning("could not mark job %s dead: %s", job_id, store_exc)
 

@@ -59,7 +59,7 @@ from celery_sched import backends, fence
 from celery_sched.errors import SchemaMissing, StoreUnavailable
 from celery_sched.metrics import worker as worker_metrics
 from celery_sched.models import REPORT_RETRY_IN_LIMIT, JobStatus, WorkerUpdate
-from celery_sched.protocol import request_attempt, request_job_id
+from celery_sched.protocol import request_attempt, request_due, request_job_id
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import JobStore
@@ -451,6 +451,7 @@ def report_running(task: Any, task_id: str | None) -> None:
                 worker=worker,
                 worker_pid=os.getpid(),
                 attempt=request_attempt(task.request),
+                due_at=request_due(task.request),
             )
         )
 
@@ -474,6 +475,7 @@ def _on_failure(
             status=JobStatus.PENDING,
             error=f"its worker process was lost: {_describe(exception)}",
             attempt=request_attempt(sender.request),
+            due_at=request_due(sender.request),
         )
     )
 
@@ -503,7 +505,13 @@ def _on_postrun(
     # message is already sent, due at retval.when.
     retry_in = _retry_in(retval) if status == JobStatus.RETRYING else None
     writer_for(task.app).report(
-        WorkerUpdate(job_id=job_id, status=status, error=error, retry_in=retry_in)
+        WorkerUpdate(
+            job_id=job_id,
+            status=status,
+            error=error,
+            retry_in=retry_in,
+            due_at=request_due(task.request),
+        )
     )
 
 

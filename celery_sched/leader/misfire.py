@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from celery_sched.errors import CelerySchedError
-from celery_sched.models import MisfirePolicy
+from celery_sched.models import DueSpan, MisfirePolicy
 from celery_sched.schedules import kept_late
 
 if TYPE_CHECKING:
@@ -84,7 +84,8 @@ class LateOccurrences:
         if not dropped:
             return jobs
         try:
-            moved = set(self._store.mark_missed(dropped, epoch=epoch))
+            due = DueSpan.of(job.due_at for job in late)
+            moved = set(self._store.mark_missed(dropped, epoch=epoch, due=due))
         except CelerySchedError as exc:
             logger.warning(
                 "could not mark %d late occurrences missed (%s); sending them", len(dropped), exc

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from celery_sched.errors import PublishError, StoreError
+from celery_sched.models import DueSpan
 
 if TYPE_CHECKING:
     from celery_sched.interfaces import Dispatcher, JobStore
@@ -90,6 +91,9 @@ class Publisher:
             return
         self._stats.claims += 1
         now = self._store_clock.now()
+        # Where the batch's rows are: every settling write names its jobs by
+        # id within these due times (one partition, mostly).
+        due = DueSpan.of(job.due_at for job in jobs)
         jobs = self._late.drop_missed(jobs, epoch, now)
         # A leader paused between claim and publish for longer than its
         # lease must not publish: a successor may have requeued and sent
@@ -133,16 +137,16 @@ class Publisher:
                 epoch,
                 len(result.withheld),
             )
-            settled &= self.settle("release", result.withheld, epoch)
+            settled &= self.settle("release", result.withheld, epoch, due=due)
         if result.expired:
-            settled &= self.settle("expire", result.expired, epoch)
+            settled &= self.settle("expire", result.expired, epoch, due=due)
         if result.rejected:
             stats.count(stats.publish_failures, "rejected", len(result.rejected))
-            settled &= self._fail(result.rejected, epoch)
+            settled &= self._fail(result.rejected, epoch, due)
         if result.failed:
             stats.count(stats.publish_failures, "broker", len(result.failed))
             logger.warning("%d jobs failed to publish; releasing them", len(result.failed))
-            settled &= self.settle("release", result.failed, epoch)
+            settled &= self.settle("release", result.failed, epoch, due=due)
         if sent and settled:
             # The claim's jobs still dispatched are exactly the ones sent.
             # Unrecorded (a settling write failed, the process dies first),
@@ -167,15 +171,21 @@ class Publisher:
             )
 
     def settle(
-        self, action: Literal["release", "expire"], job_ids: Sequence[uuid.UUID], epoch: int
+        self,
+        action: Literal["release", "expire"],
+        job_ids: Sequence[uuid.UUID],
+        epoch: int,
+        *,
+        due: DueSpan,
     ) -> bool:
-        """Finish a transition after publishing; on failure (False) the reconciler will."""
+        """Finish a transition after publishing (of jobs due within ``due``);
+        on failure (False) the reconciler will."""
         try:
             if action == "release":
-                self._stats.released += self._store.release(job_ids, epoch=epoch)
+                self._stats.released += self._store.release(job_ids, epoch=epoch, due=due)
             else:
                 self._stats.expired += self._store.mark_expired(
-                    job_ids, epoch=epoch, reason="expired before it was due"
+                    job_ids, epoch=epoch, reason="expired before it was due", due=due
                 )
         except StoreError as exc:
             logger.warning(
@@ -187,11 +197,11 @@ class Publisher:
             return False
         return True
 
-    def _fail(self, rejected: dict[uuid.UUID, str], epoch: int) -> bool:
+    def _fail(self, rejected: dict[uuid.UUID, str], epoch: int, due: DueSpan) -> bool:
         """Count a failed publish against each job (dead past max_attempts);
         False when that could not be written (the reconciler will)."""
         try:
-            result = self._store.fail_dispatch(list(rejected.items()), epoch=epoch)
+            result = self._store.fail_dispatch(list(rejected.items()), epoch=epoch, due=due)
         except StoreError as exc:
             logger.warning(
                 "could not record %d failed publishes (%s); the reconciler will requeue them",

@@ -22,6 +22,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from celery_sched.models import DueSpan
+
 if TYPE_CHECKING:
     from celery_sched.interfaces import JobStore
     from celery_sched.leader.claiming import Claimer
@@ -147,4 +149,5 @@ class Sweeper:
         except Exception:
             return
         if jobs:
-            self._publisher.settle("release", [job.id for job in jobs], epoch)
+            due = DueSpan.of(job.due_at for job in jobs)
+            self._publisher.settle("release", [job.id for job in jobs], epoch, due=due)

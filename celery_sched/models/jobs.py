@@ -59,6 +59,40 @@ def sendable(job: Job, now: dt.datetime) -> bool:
     return job.due_at <= now + SENT_DUE_MARGIN
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DueSpan:
+    """The due times, earliest to latest, of the jobs a transition by id names.
+
+    Whoever names a job by id also knows its due time (the leader holds the
+    claimed :class:`Job`, a worker reads its message's ``celery_sched_due``
+    header), and the job is looked for only between these bounds: on
+    PostgreSQL, whose ``jobs`` table is partitioned by due time, that keeps
+    the statement to the partitions of the span (issue #30).
+    """
+
+    earliest: dt.datetime
+    latest: dt.datetime
+
+    def __post_init__(self) -> None:
+        earliest = ensure_utc(self.earliest, name="earliest")
+        latest = ensure_utc(self.latest, name="latest")
+        if latest < earliest:
+            raise ValueError(f"due span ends ({latest}) before it starts ({earliest})")
+        object.__setattr__(self, "earliest", earliest)
+        object.__setattr__(self, "latest", latest)
+
+    @classmethod
+    def of(cls, due_times: Iterable[dt.datetime]) -> DueSpan:
+        """The span of ``due_times`` (at least one)."""
+        times = list(due_times)
+        if not times:
+            raise ValueError("a due span needs at least one due time")
+        return cls(earliest=min(times), latest=max(times))
+
+    def holds(self, due_at: dt.datetime) -> bool:
+        return self.earliest <= due_at <= self.latest
+
+
 FINISHED_STATUSES = frozenset(
     {
         JobStatus.SUCCEEDED,

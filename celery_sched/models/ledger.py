@@ -71,10 +71,14 @@ class DeliveryCheck:
     to ``running`` at this new attempt (with no worker until the process
     that runs it reports its start), and the delivery runs as it: the later
     copies of the job find it started, at a newer attempt, and are refused.
+    ``due_at``: the job row's due time when it is not the one the delivery
+    named (a requeue by hand made the job due again after this message was
+    sent), so that the delivery's status reports find the row.
     """
 
     reason: str | None = None
     adopted: int | None = None
+    due_at: dt.datetime | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,9 +4,11 @@ reconciler pass moved."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import uuid
 
 from celery_sched.models.jobs import JobStatus
+from celery_sched.timeutil import ensure_utc
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,9 +112,16 @@ class WorkerUpdate:
     #: this, so the reconciler requeues it once the retry is overdue by the
     #: visibility timeout (its message was lost, say with the broker).
     retry_in: float | None = None
+    #: The job's due time (its message's ``celery_sched_due`` header), which
+    #: keeps the report to the job's own partition; ``None`` for a message
+    #: sent before the header existed (the store then looks the job up
+    #: among those due by tomorrow, as before).
+    due_at: dt.datetime | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", JobStatus(self.status))
+        if self.due_at is not None:
+            object.__setattr__(self, "due_at", ensure_utc(self.due_at, name="due_at"))
         if self.status not in WORKER_STATUSES:
             raise ValueError(f"a worker cannot report status {self.status.value!r}")
         if self.retry_in is not None and self.status != JobStatus.RETRYING:

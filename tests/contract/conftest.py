@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from celery_sched.interfaces import Dispatcher, JobStore
-from celery_sched.models import NewJob
+from celery_sched.models import DueSpan, Job, NewJob
 
 if TYPE_CHECKING:
     from celery_sched.dispatch.memory import MemoryDispatcher
@@ -39,6 +39,11 @@ def tracked(store: Any, *tasks: str) -> None:
     workers of a tracked deployment do: only then does the reconciler
     requeue a job it finds not started (else it marks it ``sent``)."""
     store.heartbeat("tracker@test", 4242, tasks=list(tasks) if tasks else None)
+
+
+def due_of(*jobs: Job) -> DueSpan:
+    """The due span of ``jobs`` (what a leader passes with their ids)."""
+    return DueSpan.of(job.due_at for job in jobs)
 
 
 def new_job(key: str, due_at: dt.datetime, **fields: Any) -> NewJob:

@@ -485,6 +485,24 @@ def test_a_delivery_of_an_older_attempt_is_fenced_once_the_job_started(
     assert current.adopted is None
 
 
+def test_a_delivery_of_a_job_made_due_again_is_checked_against_its_row(
+    backend: tuple[Ledger, Effects, JobStore],
+) -> None:
+    """A requeue by hand moves a job's due time after its message went out:
+    the delivery's ``celery_sched_due`` names no row, and the fence looks the
+    job up by the margin instead, telling the delivery the row's due time."""
+    ledger, _, store = backend
+    job = _job(store, "moved")
+    assert store.mark_finished(job.id, JobStatus.DEAD, due_at=job.due_at)
+    (requeued,) = store.requeue(["moved"]).requeued
+    assert requeued.due_at != job.due_at and requeued.attempt == 1
+    check = ledger.check_delivery(job.id, 0, due_at=job.due_at)
+    # Nobody started it since: this old copy takes it over, as attempt 2.
+    assert (check.reason, check.adopted, check.due_at) == (None, 2, requeued.due_at)
+    again = ledger.check_delivery(job.id, 1, due_at=requeued.due_at)
+    assert (again.reason, again.due_at) == ("attempt 1 is older than the job's attempt 2", None)
+
+
 @pytest.mark.parametrize("via", ["check_delivery", "acquire"])
 def test_an_older_copy_of_a_job_nobody_started_since_takes_it_over_once(
     backend: tuple[Ledger, Effects, JobStore], via: str

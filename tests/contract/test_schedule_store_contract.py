@@ -18,7 +18,7 @@ from celery_sched.models import (
     ScheduleAdvance,
     StoredSchedule,
 )
-from tests.contract.conftest import new_job
+from tests.contract.conftest import due_of, new_job
 
 SECOND = dt.timedelta(seconds=1)
 MINUTE = dt.timedelta(minutes=1)
@@ -227,7 +227,9 @@ def test_a_missed_occurrence_does_not_make_its_schedule_busy(store: JobStore) ->
     epoch = store.acquire_epoch(0, "t")
     [claimed] = store.claim_due(shard=0, epoch=epoch, limit=10)
     assert store.busy_schedules([row.id]) == {row.id}
-    assert store.mark_missed([(claimed.id, "missed (test)")], epoch=epoch) == [claimed.id]
+    assert store.mark_missed([(claimed.id, "missed (test)")], epoch=epoch, due=due_of(claimed)) == [
+        claimed.id
+    ]
     assert store.busy_schedules([row.id]) == set()
 
 

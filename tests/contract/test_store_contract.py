@@ -13,6 +13,7 @@ from celery_sched.errors import DuplicateJob, StaleEpoch
 from celery_sched.interfaces import JobStore
 from celery_sched.models import (
     SENT_DUE_MARGIN,
+    DueSpan,
     Job,
     JobStatus,
     NewJob,
@@ -20,7 +21,7 @@ from celery_sched.models import (
     election_count,
 )
 from celery_sched.timeutil import to_bucket
-from tests.contract.conftest import new_job, tracked
+from tests.contract.conftest import due_of, new_job, tracked
 
 SECOND = dt.timedelta(seconds=1)
 HOUR = dt.timedelta(hours=1)
@@ -292,6 +293,9 @@ def test_acquire_epoch_increments_per_shard(store: JobStore) -> None:
     assert store.current_epoch(0) == second
     assert store.current_epoch(1) == other
     assert store.current_epoch(5) == 0
+    # Whatever the random low bits, each election counts one more.
+    later = [store.acquire_epoch(0, f"x{i}") for i in range(20)]
+    assert [election_count(e) for e in later] == list(range(3, 23))
 
 
 # -- due_soon ------------------------------------------------------------------------
@@ -435,30 +439,35 @@ def test_claim_ids_is_fenced(store: JobStore) -> None:
 
 def test_release_is_fenced_by_epoch(store: JobStore) -> None:
     job, epoch = claim_one(store, "r")
-    assert store.release([job.id], epoch=epoch + 1) == 0
+    assert store.release([job.id], epoch=epoch + 1, due=due_of(job)) == 0
     assert status_of(store, "r") is JobStatus.DISPATCHED
-    assert store.release([job.id], epoch=epoch) == 1
+    assert store.release([job.id], epoch=epoch, due=due_of(job)) == 1
     released = store.get("r")
     assert released is not None
     assert released.status is JobStatus.PENDING
     assert released.dispatched_at is None
     assert released.attempt == 0
-    assert store.release([job.id], epoch=epoch) == 0
+    assert store.release([job.id], epoch=epoch, due=due_of(job)) == 0
     assert [j.key for j in store.claim_due(shard=0, epoch=epoch, limit=5)] == ["r"]
-    assert store.release([], epoch=epoch) == 0
+    assert store.release([], epoch=epoch, due=due_of(job)) == 0
 
 
 def test_mark_expired_is_fenced_by_epoch(store: JobStore) -> None:
     job, epoch = claim_one(store, "x", expires_at=past(store, 1))
-    assert store.mark_expired([job.id], epoch=epoch - 1, reason="late") == 0
+    assert store.mark_expired([job.id], epoch=epoch - 1, reason="late", due=due_of(job)) == 0
     assert status_of(store, "x") is JobStatus.DISPATCHED
-    assert store.mark_expired([job.id, uuid.uuid4()], epoch=epoch, reason="expired at 12:00") == 1
+    assert (
+        store.mark_expired(
+            [job.id, uuid.uuid4()], epoch=epoch, reason="expired at 12:00", due=due_of(job)
+        )
+        == 1
+    )
     expired = store.get("x")
     assert expired is not None
     assert expired.status is JobStatus.EXPIRED
     assert expired.last_error == "expired at 12:00"
     assert expired.finished_at is not None
-    assert store.mark_expired([], epoch=epoch, reason="r") == 0
+    assert store.mark_expired([], epoch=epoch, reason="r", due=due_of(job)) == 0
 
 
 # -- reconcile -------------------------------------------------------------------------------
@@ -718,6 +727,47 @@ def test_reports_about_a_job_due_beyond_the_margin_are_ignored(store: JobStore) 
     assert store.mark_running(soon.id, worker="w") is True
 
 
+def test_reports_naming_their_jobs_due_time_find_only_that_job(store: JobStore) -> None:
+    """A message's ``celery_sched_due`` header names its job's row (issue #30):
+    a report naming another due time changes nothing; one naming none (a
+    message of before) finds the job by the margin."""
+    due = past(store, 5)
+    job = store.add_job(new_job("dated", due))
+    other = due + SECOND
+    assert store.mark_running(job.id, worker="w", due_at=other) is False
+    running = WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w", due_at=other)
+    assert store.apply_worker_updates([running]) == 0
+    assert status_of(store, "dated") is JobStatus.PENDING
+    assert store.mark_running(job.id, worker="w", due_at=due) is True
+    assert store.mark_retrying(job.id, error="again", due_at=other) is False
+    assert store.mark_retrying(job.id, error="again", due_at=due) is True
+    # A batch of dated and undated reports (a worker's queue across an upgrade).
+    plain = store.add_job(new_job("undated", due))
+    batch = [
+        WorkerUpdate(job_id=job.id, status=JobStatus.RUNNING, worker="w", due_at=due),
+        WorkerUpdate(job_id=job.id, status=JobStatus.SUCCEEDED, due_at=due),
+        WorkerUpdate(job_id=plain.id, status=JobStatus.RUNNING, worker="w"),
+    ]
+    assert store.apply_worker_updates(batch) == 3
+    assert status_of(store, "dated") is JobStatus.SUCCEEDED
+    assert status_of(store, "undated") is JobStatus.RUNNING
+    assert store.mark_finished(plain.id, JobStatus.FAILED, due_at=other) is False
+    assert store.mark_finished(plain.id, JobStatus.FAILED, due_at=due) is True
+
+
+def test_a_leaders_transitions_by_id_find_only_jobs_within_their_due_span(
+    store: JobStore,
+) -> None:
+    job, epoch = claim_one(store, "spanned")
+    later = DueSpan(earliest=job.due_at + SECOND, latest=job.due_at + HOUR)
+    assert store.release([job.id], epoch=epoch, due=later) == 0
+    assert store.fail_dispatch([(job.id, "x")], epoch=epoch, due=later).requeued == 0
+    assert store.mark_missed([(job.id, "x")], epoch=epoch, due=later) == []
+    assert status_of(store, "spanned") is JobStatus.DISPATCHED
+    around = DueSpan(earliest=job.due_at - HOUR, latest=job.due_at)
+    assert store.release([job.id], epoch=epoch, due=around) == 1
+
+
 def test_mark_finished_refuses_unfinished_status(store: JobStore) -> None:
     job = store.add_job(new_job("u", future(store)))
     with pytest.raises(ValueError):
@@ -778,7 +828,9 @@ def test_fail_dispatch_counts_an_attempt_and_says_why(store: JobStore) -> None:
     job, other = store.claim_due(shard=0, epoch=epoch, limit=10)
     assert (job.key, other.key) == ("unroutable", "fine")
     reason = "queue 'nowhere' is not in task_queues"
-    result = store.fail_dispatch([(job.id, reason), (uuid.uuid4(), "unknown id")], epoch=epoch)
+    result = store.fail_dispatch(
+        [(job.id, reason), (uuid.uuid4(), "unknown id")], epoch=epoch, due=due_of(job)
+    )
     assert (result.requeued, result.dead, result.timed_out) == (1, 0, 0)
     failed = store.get("unroutable")
     assert failed is not None
@@ -788,18 +840,18 @@ def test_fail_dispatch_counts_an_attempt_and_says_why(store: JobStore) -> None:
     assert status_of(store, "fine") is JobStatus.DISPATCHED and other.attempt == 0
     # Claimable again, like a released job.
     assert [j.key for j in store.claim_due(shard=0, epoch=epoch, limit=5)] == ["unroutable"]
-    assert store.fail_dispatch([], epoch=epoch) == type(result)()
+    assert store.fail_dispatch([], epoch=epoch, due=due_of(job)) == type(result)()
 
 
 def test_fail_dispatch_is_fenced_by_epoch(store: JobStore) -> None:
     job, epoch = claim_one(store, "f")
-    result = store.fail_dispatch([(job.id, "x")], epoch=epoch + 1)
+    result = store.fail_dispatch([(job.id, "x")], epoch=epoch + 1, due=due_of(job))
     assert (result.requeued, result.dead) == (0, 0)
     kept = store.get("f")
     assert kept is not None and (kept.status, kept.attempt) == (JobStatus.DISPATCHED, 0)
     # Only dispatched rows move: a pending (released) job is left alone.
-    assert store.release([job.id], epoch=epoch) == 1
-    assert store.fail_dispatch([(job.id, "x")], epoch=epoch).requeued == 0
+    assert store.release([job.id], epoch=epoch, due=due_of(job)) == 1
+    assert store.fail_dispatch([(job.id, "x")], epoch=epoch, due=due_of(job)).requeued == 0
     assert store.get("f").attempt == 0  # type: ignore[union-attr]
 
 
@@ -808,7 +860,7 @@ def test_fail_dispatch_gives_up_at_max_attempts(store: JobStore) -> None:
     epoch = leader(store)
     for attempt, expected in ((1, JobStatus.PENDING), (2, JobStatus.DEAD)):
         [job] = store.claim_due(shard=0, epoch=epoch, limit=5)
-        result = store.fail_dispatch([(job.id, "WRONGTYPE")], epoch=epoch)
+        result = store.fail_dispatch([(job.id, "WRONGTYPE")], epoch=epoch, due=due_of(job))
         assert (result.requeued, result.dead) == (
             (1, 0) if expected is JobStatus.PENDING else (0, 1)
         )
@@ -822,7 +874,7 @@ def test_fail_dispatch_gives_up_at_max_attempts(store: JobStore) -> None:
 def test_mark_expired_rechecks_expiry_by_the_store_clock(store: JobStore) -> None:
     """A caller whose clock runs ahead cannot expire a job early."""
     job, epoch = claim_one(store, "later", expires_at=future(store, 600))
-    assert store.mark_expired([job.id], epoch=epoch, reason="expired") == 0
+    assert store.mark_expired([job.id], epoch=epoch, reason="expired", due=due_of(job)) == 0
     assert status_of(store, "later") is JobStatus.DISPATCHED
 
 
@@ -857,21 +909,25 @@ def test_mark_missed_finishes_jobs_never_sent_fenced_by_epoch(store: JobStore) -
     epoch = leader(store)
     late_1, _late_2, resent = store.claim_due(shard=0, epoch=epoch, limit=10)
     # A job sent before (requeued with an attempt counted) never becomes missed.
-    store.fail_dispatch([(resent.id, "queue refused it")], epoch=epoch)
+    store.fail_dispatch([(resent.id, "queue refused it")], epoch=epoch, due=due_of(resent))
     (resent,) = store.claim_due(shard=0, epoch=epoch, limit=10)
     assert resent.attempt == 1
 
     reasons = [(late_1.id, "missed: policy skip"), (resent.id, "missed: no")]
-    assert store.mark_missed(reasons, epoch=epoch + 1) == []  # a stale epoch moves nothing
+    assert (
+        store.mark_missed(reasons, epoch=epoch + 1, due=due_of(late_1, resent)) == []
+    )  # a stale epoch moves nothing
     assert status_of(store, "late-1") is JobStatus.DISPATCHED
-    moved = store.mark_missed([*reasons, (uuid.uuid4(), "unknown id")], epoch=epoch)
+    moved = store.mark_missed(
+        [*reasons, (uuid.uuid4(), "unknown id")], epoch=epoch, due=due_of(late_1, resent)
+    )
     assert moved == [late_1.id]
     missed = store.get("late-1")
     assert missed is not None and missed.status is JobStatus.MISSED
     assert missed.last_error == "missed: policy skip" and missed.finished_at is not None
     assert status_of(store, "resent") is JobStatus.DISPATCHED
     assert status_of(store, "late-2") is JobStatus.DISPATCHED
-    assert store.mark_missed([], epoch=epoch) == []
+    assert store.mark_missed([], epoch=epoch, due=due_of(late_1, resent)) == []
     # Finished: counted as such, pruned with the others, its key free again.
     assert JobStatus.MISSED.finished
     assert store.counts_by_status()[JobStatus.MISSED] == 1

@@ -195,9 +195,11 @@ def test_claims_and_reports_by_id_skip_the_partitions_of_later_days(
     store.add_job(new_job("due", now - dt.timedelta(seconds=1)))
     epoch = store.acquire_epoch(0, "test")
     (claimed,) = store.claim_due(shard=0, epoch=epoch, limit=10)
-    # The store's own statement, its parameters rendered in (p_id has no
-    # value, so it renders as NULL: the id goes in its place).
-    statement = store.statements.mark_running.values(worker="w@test", worker_pid=1)
+    # The store's own statement for a message without the due header (one
+    # with it names the partition: test_partition_locks_postgres.py), its
+    # parameters rendered in (p_id has no value, so it renders as NULL: the
+    # id goes in its place).
+    statement = store.statements.by_margin.mark_running.values(worker="w@test", worker_pid=1)
     sql = str(
         statement.compile(dialect=store.engine.dialect, compile_kwargs={"literal_binds": True})
     )

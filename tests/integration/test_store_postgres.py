@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from celery_sched.errors import DuplicateJob, SchemaMissing, StaleEpoch, StoreUnavailable
-from celery_sched.models import Job, JobStatus, WorkerUpdate
+from celery_sched.models import DueSpan, Job, JobStatus, WorkerUpdate
 from celery_sched.settings import Settings
 from celery_sched.store.postgres import MIGRATIONS_DIR, PostgresJobStore
 from celery_sched.store.schema import build_metadata
@@ -543,5 +543,6 @@ def test_a_failover_that_loses_the_last_epoch_bump_never_hands_that_epoch_out_ag
     # release of what it believes it claimed touches nothing of the new term.
     with pytest.raises(StaleEpoch):
         store.claim_due(shard=0, epoch=stale, limit=10)
-    assert store.release([claimed[0].id], epoch=stale) == 0
+    due = DueSpan.of([claimed[0].due_at])
+    assert store.release([claimed[0].id], epoch=stale, due=due) == 0
     assert store.get("a").status is JobStatus.DISPATCHED  # type: ignore[union-attr]

@@ -10,6 +10,7 @@ from celery import Celery
 
 from celery_sched.protocol import (
     ATTEMPT_HEADER,
+    DUE_HEADER,
     EPOCH_HEADER,
     KEY_HEADER,
     base_headers,
@@ -20,7 +21,7 @@ from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
 from celery_sched.validation import JobBuilder
 
-OURS = {KEY_HEADER, ATTEMPT_HEADER, EPOCH_HEADER, "celery_beat_task"}
+OURS = {KEY_HEADER, ATTEMPT_HEADER, EPOCH_HEADER, DUE_HEADER, "celery_beat_task"}
 
 
 def _stored(app: Celery, **options: object) -> tuple[object, dict[str, object]]:
@@ -71,6 +72,9 @@ def test_headers_match_celerys_as_task_v2() -> None:
     theirs = _celery_headers(app, job)
     assert {k: v for k, v in ours.items() if k not in OURS} == theirs
     assert ours[KEY_HEADER] == "k1" and ours[EPOCH_HEADER] == 3 and ours["celery_beat_task"]
+    # The job's due time, exact to the microsecond: the worker's statements
+    # name the row by it (issue #30).
+    assert ours[DUE_HEADER] == "2030-01-01T00:00:00+00:00"
 
 
 def test_headers_with_limits_and_expiry_match_celery() -> None:

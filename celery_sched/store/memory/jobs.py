@@ -16,6 +16,7 @@ from celery_sched.models import (
     FINISHED_STATUSES,
     REQUEUABLE_STATUSES,
     UNFINISHED_STATUSES,
+    DueSpan,
     Job,
     JobQuery,
     JobStatus,
@@ -87,15 +88,17 @@ class MemoryJobs(MemoryStoreBase, Jobs):
             return self._jobs.get(job_id)
 
     def adopt_delivery(
-        self, job_id: uuid.UUID, attempt: int | None
+        self, job_id: uuid.UUID, attempt: int | None, due_at: dt.datetime | None = None
     ) -> tuple[Job | None, int | None]:
         """The memory twin of the PostgreSQL ledger's adoption step (see
         :meth:`~celery_sched.interfaces.Ledger.check_delivery`): the job as
         it was, and the attempt a delivery of ``attempt`` took it over as
-        (``None`` when it did not)."""
+        (``None`` when it did not). ``due_at``: only the job due then."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is not None and not sendable(job, self.now()):
+            if job is not None and due_at is not None and job.due_at != due_at:
+                job = None
+            if job is not None and due_at is None and not sendable(job, self.now()):
                 job = None  # not a job any delivery can be of
             if (
                 job is None
@@ -348,14 +351,16 @@ class MemoryJobs(MemoryStoreBase, Jobs):
     def _went_out(self, job: Job) -> bool:
         return job.claim_id is None or job.claim_id in self._published
 
-    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
-        return self._move_fenced(ids, epoch, status=JobStatus.PENDING, dispatched_at=None)
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int, due: DueSpan) -> int:
+        return self._move_fenced(ids, epoch, due, status=JobStatus.PENDING, dispatched_at=None)
 
-    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+    def mark_expired(
+        self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str, due: DueSpan
+    ) -> int:
         with self._lock:
             now = self.now()
             # Re-checked by the store's clock, as the Postgres statement does.
-            due = [
+            expired = [
                 job_id
                 for job_id in ids
                 if (job := self._jobs.get(job_id)) is not None
@@ -363,11 +368,11 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                 and job.expires_at <= now
             ]
             return self._move_fenced(
-                due, epoch, status=JobStatus.EXPIRED, finished_at=now, last_error=reason
+                expired, epoch, due, status=JobStatus.EXPIRED, finished_at=now, last_error=reason
             )
 
     def fail_dispatch(
-        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int, due: DueSpan
     ) -> ReconcileResult:
         with self._lock:  # one lock stands in for the one statement
             now = self.now()
@@ -376,6 +381,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                 job = self._jobs.get(job_id)
                 if (
                     job is not None
+                    and due.holds(job.due_at)
                     and job.status == JobStatus.DISPATCHED
                     and job.leader_epoch == epoch
                 ):
@@ -384,7 +390,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
             return ReconcileResult(requeued=moved - dead, dead=dead)
 
     def mark_missed(
-        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int, due: DueSpan
     ) -> list[uuid.UUID]:
         with self._lock:  # one lock stands in for the one statement
             now = self.now()
@@ -393,6 +399,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                 job = self._jobs.get(job_id)
                 if (
                     job is not None
+                    and due.holds(job.due_at)
                     and job.status == JobStatus.DISPATCHED
                     and job.leader_epoch == epoch
                     and job.attempt == 0
@@ -463,14 +470,18 @@ class MemoryJobs(MemoryStoreBase, Jobs):
         with self._lock:
             self._placed_for = shards
 
-    def _move_fenced(self, ids: Sequence[uuid.UUID], epoch: int, **changes: Any) -> int:
-        """Apply ``changes`` to the dispatched jobs among ``ids`` claimed by ``epoch``."""
+    def _move_fenced(
+        self, ids: Sequence[uuid.UUID], epoch: int, due: DueSpan, **changes: Any
+    ) -> int:
+        """Apply ``changes`` to the dispatched jobs among ``ids`` claimed by
+        ``epoch`` and due within ``due``."""
         with self._lock:
             moved = 0
             for job_id in set(ids):
                 job = self._jobs.get(job_id)
                 if (
                     job is not None
+                    and due.holds(job.due_at)
                     and job.status == JobStatus.DISPATCHED
                     and job.leader_epoch == epoch
                 ):

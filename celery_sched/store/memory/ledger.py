@@ -89,9 +89,10 @@ class MemoryLedger(Ledger):
         job_id: uuid.UUID | None = None,
         attempt: int | None = None,
         take_completed: bool = False,
+        due_at: dt.datetime | None = None,
     ) -> LedgerClaim:
         with self._lock:
-            check = DeliveryCheck() if job_id is None else self.check_delivery(job_id, attempt)
+            check = DeliveryCheck() if job_id is None else self._check(job_id, attempt, due_at)
             if check.reason is not None:
                 return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=check.reason)
             claim = self._take(key, owner, lease, job_id, take_completed)
@@ -145,13 +146,33 @@ class MemoryLedger(Ledger):
                 retry_in=max(0.0, (row.lease_expires_at - now).total_seconds()),
             )
 
-    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
+    def check_delivery(
+        self, job_id: uuid.UUID, attempt: int | None, *, due_at: dt.datetime | None = None
+    ) -> DeliveryCheck:
+        check = self._check(job_id, attempt, due_at)
+        if due_at is None or self.jobs is None:
+            return check
+        # No row at the message's due time: looked for as a message without
+        # the header is (the PostgreSQL ledger's second statement).
+        job = self.jobs.get_by_id(job_id)
+        if job is None or job.due_at == due_at:
+            return check
+        moved = self._check(job_id, attempt, None)
+        return dataclasses.replace(moved, due_at=job.due_at)
+
+    def _check(
+        self, job_id: uuid.UUID, attempt: int | None, due_at: dt.datetime | None
+    ) -> DeliveryCheck:
+        """The fence by ``due_at`` only (``acquire``'s single statement)."""
         if self.jobs is None:
             return DeliveryCheck()
         if isinstance(self.jobs, MemoryJobs):
-            job, adopted = self.jobs.adopt_delivery(job_id, attempt)
+            job, adopted = self.jobs.adopt_delivery(job_id, attempt, due_at)
         else:
-            job, adopted = self.jobs.get_by_id(job_id), None
+            job = self.jobs.get_by_id(job_id)
+            if job is not None and due_at is not None and job.due_at != due_at:
+                job = None
+            adopted = None
         if job is None or adopted is not None:
             return DeliveryCheck(adopted=adopted)
         return DeliveryCheck(reason=delivery_fence(job.status, job.attempt, attempt))

@@ -24,10 +24,15 @@ _CLAIMABLE_BY_WORKER = frozenset({JobStatus.DISPATCHED, JobStatus.RETRYING, JobS
 class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
     """:class:`~celery_sched.interfaces.WorkerReports` in memory."""
 
-    def _sent(self, job_id: uuid.UUID) -> Job | None:
-        """The job ``job_id`` if a worker can hold it (:func:`~celery_sched.models.sendable`)."""
+    def _sent(self, job_id: uuid.UUID, due_at: dt.datetime | None) -> Job | None:
+        """The job ``job_id`` due at ``due_at`` (its message's header), or,
+        without one, if a worker can hold it (:func:`~celery_sched.models.sendable`)."""
         job = self._jobs.get(job_id)
-        return job if job is not None and sendable(job, self.now()) else None
+        if job is None:
+            return None
+        if due_at is not None:
+            return job if job.due_at == due_at else None
+        return job if sendable(job, self.now()) else None
 
     def heartbeat(
         self,
@@ -45,10 +50,15 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
             self._worker_tasks[(hostname, pid)] = None if tasks is None else frozenset(tasks)
 
     def mark_running(
-        self, job_id: uuid.UUID, *, worker: str, worker_pid: int | None = None
+        self,
+        job_id: uuid.UUID,
+        *,
+        worker: str,
+        worker_pid: int | None = None,
+        due_at: dt.datetime | None = None,
     ) -> bool:
         with self._lock:
-            job = self._sent(job_id)
+            job = self._sent(job_id, due_at)
             if job is None:
                 return False
             # Taken over by an older copy (see adopt_delivery): named now.
@@ -65,7 +75,7 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
             return True
 
     def _lost(self, update: WorkerUpdate) -> bool:
-        job = self._sent(update.job_id)
+        job = self._sent(update.job_id, update.due_at)
         if (
             job is None
             or job.status not in (JobStatus.DISPATCHED, JobStatus.RUNNING)
@@ -77,24 +87,34 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
         return True
 
     def mark_finished(
-        self, job_id: uuid.UUID, status: JobStatus, *, error: str | None = None
+        self,
+        job_id: uuid.UUID,
+        status: JobStatus,
+        *,
+        error: str | None = None,
+        due_at: dt.datetime | None = None,
     ) -> bool:
         status = JobStatus(status)
         if not status.finished:
             raise ValueError(f"mark_finished needs a finished status, got {status.value!r}")
         with self._lock:
-            job = self._sent(job_id)
+            job = self._sent(job_id, due_at)
             if job is None or job.status in FINISHED_STATUSES:
                 return False
             self._update(job, status=status, finished_at=self.now(), last_error=error)
             return True
 
     def mark_retrying(
-        self, job_id: uuid.UUID, *, error: str | None = None, retry_in: float | None = None
+        self,
+        job_id: uuid.UUID,
+        *,
+        error: str | None = None,
+        retry_in: float | None = None,
+        due_at: dt.datetime | None = None,
     ) -> bool:
         delay = dt.timedelta(seconds=check_retry_in(retry_in) or 0.0)
         with self._lock:
-            job = self._sent(job_id)
+            job = self._sent(job_id, due_at)
             if job is None or job.status != JobStatus.RUNNING:
                 return False
             self._update(
@@ -118,16 +138,24 @@ class MemoryWorkerReports(MemoryStoreBase, WorkerReports):
                         and job.attempt > update.attempt
                     )
                     done = not stale and self.mark_running(
-                        update.job_id, worker=update.worker or "", worker_pid=update.worker_pid
+                        update.job_id,
+                        worker=update.worker or "",
+                        worker_pid=update.worker_pid,
+                        due_at=update.due_at,
                     )
                 elif update.status == JobStatus.PENDING:
                     done = self._lost(update)
                 elif update.status == JobStatus.RETRYING:
                     done = self.mark_retrying(
-                        update.job_id, error=update.error, retry_in=update.retry_in
+                        update.job_id,
+                        error=update.error,
+                        retry_in=update.retry_in,
+                        due_at=update.due_at,
                     )
                 else:
-                    done = self.mark_finished(update.job_id, update.status, error=update.error)
+                    done = self.mark_finished(
+                        update.job_id, update.status, error=update.error, due_at=update.due_at
+                    )
                 changed += done
         return changed
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
+import psycopg
 from sqlalchemy import Row, Select, bindparam, delete, func, literal_column, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
@@ -25,6 +26,7 @@ from celery_sched.interfaces import Jobs
 from celery_sched.models import (
     EPOCH_SALT_BITS,
     SENT_DUE_MARGIN,
+    DueSpan,
     Job,
     JobQuery,
     JobStatus,
@@ -108,7 +110,7 @@ class JobQueries:
         self.acquire_epoch = upsert.on_conflict_do_update(
             index_elements=[leaders.c.shard],
             set_={
-                "epoch": (leaders.c.epoch / step + 1) * step + salt,
+                "epoch": (leaders.c.epoch // step + 1) * step + salt,
                 "holder": upsert.excluded.holder,
                 "acquired_at": now,
             },
@@ -167,6 +169,10 @@ class PostgresJobs(PostgresStoreBase, Jobs):
         self._copy = JobCopy(self.database, self.partitions)
         self._claim_due = RawStatement(self.statements.claim_due)
         self._claim_ids = RawStatement(self.statements.claim_ids)
+        self._release = RawStatement(self.statements.release)
+        self._mark_expired = RawStatement(self.statements.mark_expired)
+        self._fail_dispatch = RawStatement(self.statements.fail_dispatch)
+        self._mark_missed = RawStatement(self.statements.mark_missed)
         self._listing = Listing(self.statements.tables.jobs)
         #: The database's collation, read on the first key-prefix listing.
         self._key_collation: str | None = None
@@ -506,47 +512,61 @@ class PostgresJobs(PostgresStoreBase, Jobs):
 
         self.database.transaction("record_published", record)
 
-    def release(self, ids: Sequence[uuid.UUID], *, epoch: int) -> int:
+    def release(self, ids: Sequence[uuid.UUID], *, epoch: int, due: DueSpan) -> int:
         if not ids:
             return 0
         params = {"ids": list(ids), "p_epoch": epoch}
-        return self.database.rowcount("release", self.statements.release, params)
+        return self._by_due("release", self._release, params, due, _rowcount)
 
-    def mark_expired(self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str) -> int:
+    def mark_expired(
+        self, ids: Sequence[uuid.UUID], *, epoch: int, reason: str, due: DueSpan
+    ) -> int:
         if not ids:
             return 0
-        return self.database.rowcount(
-            "mark_expired",
-            self.statements.mark_expired,
-            {"ids": list(ids), "p_epoch": epoch, "reason": reason},
-        )
+        params = {"ids": list(ids), "p_epoch": epoch, "reason": reason}
+        return self._by_due("mark_expired", self._mark_expired, params, due, _rowcount)
 
     def fail_dispatch(
-        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+        self, failures: Sequence[tuple[uuid.UUID, str]], *, epoch: int, due: DueSpan
     ) -> ReconcileResult:
         if not failures:
             return ReconcileResult()
         # One reason per id: the last one given wins, as in the memory store.
         reasons = dict(failures)
         params = {"f_ids": list(reasons), "f_reasons": list(reasons.values()), "p_epoch": epoch}
-        statuses = self.database.transaction(
-            "fail_dispatch",
-            lambda conn: list(conn.execute(self.statements.fail_dispatch, params).scalars()),
-        )
+        statuses = self._by_due("fail_dispatch", self._fail_dispatch, params, due, _first_column)
         dead = sum(1 for status in statuses if status == JobStatus.DEAD.value)
         return ReconcileResult(requeued=len(statuses) - dead, dead=dead)
 
     def mark_missed(
-        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int
+        self, dropped: Sequence[tuple[uuid.UUID, str]], *, epoch: int, due: DueSpan
     ) -> list[uuid.UUID]:
         if not dropped:
             return []
         reasons = dict(dropped)
         params = {"f_ids": list(reasons), "f_reasons": list(reasons.values()), "p_epoch": epoch}
-        return self.database.transaction(
-            "mark_missed",
-            lambda conn: list(conn.execute(self.statements.mark_missed, params).scalars()),
-        )
+        return self._by_due("mark_missed", self._mark_missed, params, due, _first_column)
+
+    def _by_due(
+        self,
+        what: str,
+        stmt: RawStatement,
+        params: dict[str, Any],
+        due: DueSpan,
+        read: Callable[[psycopg.Cursor[Any]], T],
+    ) -> T:
+        """Run a fenced transition by id of jobs due within ``due`` in its
+        own transaction; ``read`` its outcome off the cursor."""
+        values = stmt.params(**params, p_due_from=due.earliest, p_due_to=due.latest)
+
+        def run(conn: Connection) -> T:
+            with raw_cursor(conn) as cur:
+                # Never prepared: the due bounds must be values to the
+                # planner (statements.due_between).
+                cur.execute(stmt.sql, values, prepare=False)
+                return read(cur)
+
+        return self.database.transaction(what, run)
 
     def unfinished_by_shard(self, *, from_shard: int) -> dict[int, dict[JobStatus, int]]:
         rows = self.database.transaction(
@@ -827,6 +847,14 @@ def _decode_options(rows: list[tuple[Any, ...]], at: int) -> Iterator[list[Any]]
             # when no value is itself a container.
             values[at] = dict(options) if flat[text] else json.loads(text)
         yield values
+
+
+def _rowcount(cur: psycopg.Cursor[Any]) -> int:
+    return max(0, cur.rowcount)
+
+
+def _first_column(cur: psycopg.Cursor[Any]) -> list[Any]:
+    return [row[0] for row in cur.fetchall()]
 
 
 def _rehome_row(row: Sequence[Any]) -> RehomeRow:

@@ -117,8 +117,12 @@ class PostgresLedger(Ledger):
         self._settings = store.settings
         s = self._statements = store.statements
         self._q = LedgerQueries(s.tables)
+        # By the delivery's due time, run unprepared (statements.due_between),
+        # and by the margin for a message without the due header.
         self._acquire = RawStatement(s.ledger_acquire)
         self._check_delivery = RawStatement(s.ledger_check_delivery)
+        self._acquire_margin = RawStatement(s.by_margin.ledger_acquire)
+        self._check_delivery_margin = RawStatement(s.by_margin.ledger_check_delivery)
         self._inspect = RawStatement(s.ledger_inspect)
         self._complete = RawStatement(s.ledger_complete)
         self._complete_keep = RawStatement(s.ledger_complete_keep_result)
@@ -157,15 +161,19 @@ class PostgresLedger(Ledger):
         job_id: uuid.UUID | None = None,
         attempt: int | None = None,
         take_completed: bool = False,
+        due_at: dt.datetime | None = None,
     ) -> LedgerClaim:
-        params = self._acquire.params(
+        stmt = self._acquire if due_at is not None else self._acquire_margin
+        params = stmt.params(
             p_key=key,
             p_owner=owner,
             p_lease=lease,
             p_job_id=job_id,
             p_attempt=attempt,
             p_take_completed=take_completed,
+            **_due_params(due_at),
         )
+        prepare = False if due_at is not None else None
         inspect = self._inspect.params(p_key=key)
 
         # Kept across the rounds (and run_raw's retries): an adoption that
@@ -180,8 +188,10 @@ class PostgresLedger(Ledger):
             nonlocal adopted
             for _ in range(ACQUIRE_ROUNDS):
                 # Scalar subqueries only: always exactly one row.
-                answer: tuple[Any, ...] = cur.execute(self._acquire.sql, params).fetchone() or ()
-                taken, job_status, job_attempt, adopted_now = answer
+                answer: tuple[Any, ...] = (
+                    cur.execute(stmt.sql, params, prepare=prepare).fetchone() or ()
+                )
+                taken, job_status, job_attempt, adopted_now, _ = answer
                 if adopted_now is not None:
                     adopted = adopted_now
                 if taken is not None:
@@ -218,18 +228,34 @@ class PostgresLedger(Ledger):
 
         return self._database.run_raw("ledger acquire", once)
 
-    def check_delivery(self, job_id: uuid.UUID, attempt: int | None) -> DeliveryCheck:
-        stmt = self._check_delivery
-        params = stmt.params(p_job_id=job_id, p_attempt=attempt)
+    def check_delivery(
+        self, job_id: uuid.UUID, attempt: int | None, *, due_at: dt.datetime | None = None
+    ) -> DeliveryCheck:
+        dated = self._check_delivery
+        params = dated.params(p_job_id=job_id, p_attempt=attempt, **_due_params(due_at))
+        margin = self._check_delivery_margin
+        by_margin = margin.params(p_job_id=job_id, p_attempt=attempt)
+
+        def check(cur: psycopg.Cursor[Any]) -> Any:
+            if due_at is not None:
+                row = cur.execute(dated.sql, params, prepare=False).fetchone()
+                if row is None or row[0] is not None:
+                    return row
+            # No due header, or no row at that due time: a requeue by hand
+            # made the job due again since this message was sent (rare; the
+            # row is then looked for among the jobs due by tomorrow).
+            return cur.execute(margin.sql, by_margin).fetchone()
+
         # One try, no retry loop: the caller (a worker's consumer) must not
         # stall while the database is away; it runs the delivery.
-        row: Any = self._database.run_raw_once(
-            "delivery fence", lambda cur: cur.execute(stmt.sql, params).fetchone()
-        )
-        status, job_attempt, adopted = row
+        row: Any = self._database.run_raw_once("delivery fence", check)
+        status, job_attempt, adopted, job_due = row
+        moved = None if job_due is None or due_at is None or job_due == due_at else job_due
         if status is None or adopted is not None:
-            return DeliveryCheck(adopted=adopted)
-        return DeliveryCheck(reason=delivery_fence(status, int(job_attempt), attempt))
+            return DeliveryCheck(adopted=adopted, due_at=_utc_or_none(moved))
+        return DeliveryCheck(
+            reason=delivery_fence(status, int(job_attempt), attempt), due_at=_utc_or_none(moved)
+        )
 
     def renew(self, held: Sequence[tuple[str, str]], *, lease: float) -> set[str]:
         if not held:
@@ -354,6 +380,14 @@ class PostgresLedger(Ledger):
         # The hot-path connections are the store's (see run_raw).
         if self._owns_store:
             self.store.close()
+
+
+def _due_params(due_at: dt.datetime | None) -> dict[str, Any]:
+    """The bounds of :func:`~.statements.due_between` for one job due at ``due_at``."""
+    if due_at is None:
+        return {}
+    due = ensure_utc(due_at, name="due_at")
+    return {"p_due_from": due, "p_due_to": due}
 
 
 def _quiet_rollback(tx: Any) -> None:

@@ -192,19 +192,45 @@ def requeue_values(jobs: Table, why: str, *args: Any) -> dict[str, Any]:
     }
 
 
-#: :data:`celery_sched.models.SENT_DUE_MARGIN` in SQL: a job a leader
-#: releases or requeues, or a worker reports on, by its id is due by now
-#: plus the margin. With this bound PostgreSQL skips every partition of a
-#: later day when the statement starts (run-time pruning on now(): "Subplans
-#: Removed" in EXPLAIN ANALYZE) instead of probing each one's primary key.
+#: :data:`celery_sched.models.SENT_DUE_MARGIN` in SQL: a job a worker
+#: reports on by its id is due by now plus the margin.
 SENT_DUE_MARGIN = literal_column(
     f"interval '{round(models.SENT_DUE_MARGIN.total_seconds())} seconds'", type_=Interval
 )
 
 
+def due_between(jobs: Table) -> ColumnElement[bool]:
+    """``p_due_from <= due_at <= p_due_to``: the due times of the jobs a
+    statement by id names (the leader's claimed jobs, a message's
+    ``celery_sched_due`` header).
+
+    The bounds are values, so the planner of an unprepared statement leaves
+    every partition outside them out of the plan, and PostgreSQL locks only
+    the partitions left (one, for one job) and their indexes. Prepared, the
+    generic plan would hold every partition: ``now()`` or a parameter
+    prunes only when the executor starts, after locking each partition and
+    each of its indexes (1,700 locks with 133 partitions; 64 per connection
+    fit the server's shared lock table by default). So these statements
+    always run with ``prepare=False``."""
+    due = jobs.c.due_at
+    return and_(
+        due >= bindparam("p_due_from", type_=due.type),
+        due <= bindparam("p_due_to", type_=due.type),
+    )
+
+
 def sent_due(jobs: Table) -> ColumnElement[bool]:
-    """The bound of :data:`SENT_DUE_MARGIN` on ``jobs.due_at``."""
+    """The bound of :data:`SENT_DUE_MARGIN` on ``jobs.due_at``: for a worker's
+    report or delivery check of a message without the ``celery_sched_due``
+    header (sent before it existed). PostgreSQL skips the partitions of later
+    days when the statement starts, but locks every partition first; these
+    variants stay prepared (planning them over every partition each time
+    would cost more than the locks)."""
     return jobs.c.due_at <= func.now() + SENT_DUE_MARGIN
+
+
+#: The due-time test of a statement by id: :func:`due_between` or :func:`sent_due`.
+DueTest = Callable[[Table], ColumnElement[bool]]
 
 
 def claim_horizon(jobs: Table) -> ColumnElement[bool]:
@@ -390,7 +416,7 @@ def _fenced(t: Tables) -> tuple[ColumnElement[bool], ...]:
     c = t.jobs.c
     return (
         c.id == any_(_ids(t.jobs, "ids")),
-        sent_due(t.jobs),
+        due_between(t.jobs),
         c.status == DISPATCHED,
         c.leader_epoch == bindparam("p_epoch"),
     )
@@ -435,7 +461,7 @@ def fail_dispatch(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == failed.c.id,
-            sent_due(t.jobs),
+            due_between(t.jobs),
             c.status == DISPATCHED,
             c.leader_epoch == bindparam("p_epoch"),
         )
@@ -463,7 +489,7 @@ def mark_missed(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == dropped.c.id,
-            sent_due(t.jobs),
+            due_between(t.jobs),
             c.status == DISPATCHED,
             c.leader_epoch == bindparam("p_epoch"),
             c.attempt == 0,
@@ -884,7 +910,7 @@ def _adopted(jobs: Table) -> ColumnElement[bool]:
     return and_(jobs.c.status == "running", jobs.c.worker.is_(None))
 
 
-def mark_running(t: Tables) -> Update:
+def mark_running(t: Tables, due: DueTest = due_between) -> Update:
     """Job ``p_id`` started on worker ``p_worker`` (process ``p_worker_pid``)."""
     c = t.jobs.c
     adopted = _adopted(t.jobs)
@@ -892,8 +918,8 @@ def mark_running(t: Tables) -> Update:
         update(t.jobs)
         .where(
             c.id == bindparam("p_id"),
-            sent_due(t.jobs),
-            or_(c.status.in_(["dispatched", "retrying", "pending"]), adopted),
+            due(t.jobs),
+            or_(c.status == any_(text_array("dispatched", "retrying", "pending")), adopted),
         )
         .values(
             status="running",
@@ -904,12 +930,14 @@ def mark_running(t: Tables) -> Update:
     )
 
 
-def mark_finished(t: Tables) -> Update:
+def mark_finished(t: Tables, due: DueTest = due_between) -> Update:
     """Job ``p_id`` finished with status ``p_status`` and ``error``."""
     c = t.jobs.c
     return (
         update(t.jobs)
-        .where(c.id == bindparam("p_id"), sent_due(t.jobs), c.status.not_in(_FINISHED))
+        .where(
+            c.id == bindparam("p_id"), due(t.jobs), c.status != all_(text_array(*sorted(_FINISHED)))
+        )
         .values(
             status=bindparam("p_status"),
             finished_at=func.now(),
@@ -918,14 +946,14 @@ def mark_finished(t: Tables) -> Update:
     )
 
 
-def mark_retrying(t: Tables) -> Update:
+def mark_retrying(t: Tables, due: DueTest = due_between) -> Update:
     """Running job ``p_id`` retries in ``p_retry_in`` seconds, after ``error``."""
     c = t.jobs.c
     # A retrying job's dispatched_at is when its retry is due (the
     # reconciler requeues it once that is a visibility timeout past).
     return (
         update(t.jobs)
-        .where(c.id == bindparam("p_id"), sent_due(t.jobs), c.status == "running")
+        .where(c.id == bindparam("p_id"), due(t.jobs), c.status == "running")
         .values(
             status="retrying",
             dispatched_at=func.now()
@@ -942,8 +970,10 @@ def mark_retrying(t: Tables) -> Update:
 
 
 def _reported(jobs: Table, **columns: str) -> Any:
-    """``unnest(:p_ids, :p_x, ...) AS reported(id, x, ...)``: one row per report."""
+    """``unnest(:p_ids, :p_x, ..., :p_dues) AS reported(id, x, ..., due)``:
+    one row per report, the last column its job's due time (text)."""
     texts = postgresql.ARRAY(Text)
+    columns = {**columns, "due": "p_dues"}
     arrays = [bindparam(param, type_=texts) for param in columns.values()]
     return (
         func.unnest(_ids(jobs, "p_ids"), *arrays)
@@ -952,7 +982,19 @@ def _reported(jobs: Table, **columns: str) -> Any:
     )
 
 
-def batch_running(t: Tables) -> Update:
+def _report_of(jobs: Table, reported: Any, due: DueTest) -> tuple[ColumnElement[bool], ...]:
+    """``jobs``' row is the one a ``reported`` row is about: its id, and its
+    due time when the report names one (a message with the due header),
+    within the statement's own due-time test ``due``."""
+    c = jobs.c
+    return (
+        c.id == reported.c.id,
+        due(jobs),
+        or_(reported.c.due.is_(None), c.due_at == cast(reported.c.due, c.due_at.type)),
+    )
+
+
+def batch_running(t: Tables, due: DueTest = due_between) -> Update:
     """Jobs started: ``p_ids`` with ``p_workers``, ``p_pids`` and ``p_attempts``."""
     c = t.jobs.c
     adopted = _adopted(t.jobs)
@@ -960,8 +1002,7 @@ def batch_running(t: Tables) -> Update:
     return (
         update(t.jobs)
         .where(
-            c.id == running.c.id,
-            sent_due(t.jobs),
+            *_report_of(t.jobs, running, due),
             or_(c.status == any_(text_array("dispatched", "retrying", "pending")), adopted),
             # A delivery of an older attempt (the job was requeued since)
             # must not move the row: the new attempt could not be claimed.
@@ -976,14 +1017,14 @@ def batch_running(t: Tables) -> Update:
     )
 
 
-def batch_retrying(t: Tables) -> Update:
+def batch_retrying(t: Tables, due: DueTest = due_between) -> Update:
     """Jobs retrying: ``p_ids`` with ``p_errors`` and ``p_retry_ins``."""
     c = t.jobs.c
     retrying = _reported(t.jobs, error="p_errors", retry_in="p_retry_ins")
     retry_in = cast(retrying.c.retry_in, _DOUBLE)
     return (
         update(t.jobs)
-        .where(c.id == retrying.c.id, sent_due(t.jobs), c.status == "running")
+        .where(*_report_of(t.jobs, retrying, due), c.status == "running")
         .values(
             status="retrying",
             dispatched_at=func.now() + seconds(func.coalesce(retry_in, 0.0)),
@@ -992,20 +1033,21 @@ def batch_retrying(t: Tables) -> Update:
     )
 
 
-def batch_finished(t: Tables) -> Update:
+def batch_finished(t: Tables, due: DueTest = due_between) -> Update:
     """Jobs finished: ``p_ids`` with ``p_statuses`` and ``p_errors``."""
     c = t.jobs.c
     ended = _reported(t.jobs, status="p_statuses", error="p_errors")
     return (
         update(t.jobs)
         .where(
-            c.id == ended.c.id, sent_due(t.jobs), c.status != all_(text_array(*sorted(_FINISHED)))
+            *_report_of(t.jobs, ended, due),
+            c.status != all_(text_array(*sorted(_FINISHED))),
         )
         .values(status=ended.c.status, finished_at=func.now(), last_error=ended.c.error)
     )
 
 
-def batch_ran(t: Tables) -> Update:
+def batch_ran(t: Tables, due: DueTest = due_between) -> Update:
     """Jobs started and finished in one batch: ``p_ids`` with ``p_workers``,
     ``p_pids``, ``p_statuses`` and ``p_errors``; returns per row whether its
     start applied too."""
@@ -1021,7 +1063,7 @@ def batch_ran(t: Tables) -> Update:
     was_running = c.status == "running"
     return (
         update(t.jobs)
-        .where(c.id == ran.c.id, sent_due(t.jobs), c.status != all_(text_array(*sorted(_FINISHED))))
+        .where(*_report_of(t.jobs, ran, due), c.status != all_(text_array(*sorted(_FINISHED))))
         .values(
             status=ran.c.status,
             started_at=case((was_running, c.started_at), else_=now),
@@ -1040,7 +1082,7 @@ def batch_ran(t: Tables) -> Update:
     )
 
 
-def batch_lost(t: Tables) -> Update:
+def batch_lost(t: Tables, due: DueTest = due_between) -> Update:
     """Jobs whose worker process was lost: ``p_ids`` with ``p_errors`` and
     ``p_attempts``, requeued at once unless the job has moved on (a later
     attempt)."""
@@ -1049,8 +1091,7 @@ def batch_lost(t: Tables) -> Update:
     return (
         update(t.jobs)
         .where(
-            c.id == lost.c.id,
-            sent_due(t.jobs),
+            *_report_of(t.jobs, lost, due),
             c.status == any_(text_array("dispatched", "running")),
             or_(lost.c.attempt.is_(None), c.attempt == cast(lost.c.attempt, Integer)),
         )
@@ -1080,14 +1121,16 @@ class _DeliveryFence:
     verdict: tuple[Any, ...]
 
 
-def _delivery_fence(t: Tables) -> _DeliveryFence:
+def _delivery_fence(t: Tables, due: DueTest) -> _DeliveryFence:
     jobs = t.jobs
     # The job row by primary key, read in the same statement as the take.
     # No job row (pruned, or not a celery_sched message) fences nothing.
     job_id = bindparam("p_job_id", type_=jobs.c.id.type)
     delivered = bindparam("p_attempt", type_=Integer)
     job = (
-        select(jobs.c.status, jobs.c.attempt).where(jobs.c.id == job_id, sent_due(jobs)).cte("job")
+        select(jobs.c.status, jobs.c.attempt, jobs.c.due_at)
+        .where(jobs.c.id == job_id, due(jobs))
+        .cte("job")
     )
     # The adoption (see Ledger.check_delivery): a copy of an older attempt
     # takes over a job nobody has started since its requeue. Only while
@@ -1097,7 +1140,7 @@ def _delivery_fence(t: Tables) -> _DeliveryFence:
         update(jobs)
         .where(
             jobs.c.id == job_id,
-            sent_due(jobs),
+            due(jobs),
             jobs.c.status.in_(_literals(ADOPTABLE_STATUSES)),
             jobs.c.attempt > delivered,
             jobs.c.attempt == select(job.c.attempt).scalar_subquery(),
@@ -1121,16 +1164,17 @@ def _delivery_fence(t: Tables) -> _DeliveryFence:
         )
     )
     # One row always: the job row's status and attempt, from which a fenced
-    # delivery's reason is told, and the attempt adopted.
+    # delivery's reason is told, the attempt adopted, and the row's due time.
     verdict = (
         select(job.c.status).scalar_subquery().label("job_status"),
         select(job.c.attempt).scalar_subquery().label("job_attempt"),
         select(adopted.c.attempt).scalar_subquery().label("adopted"),
+        select(job.c.due_at).scalar_subquery().label("job_due"),
     )
     return _DeliveryFence(job=job, adopted=adopted, fenced=fenced, verdict=verdict)
 
 
-def ledger_acquire(t: Tables) -> Select[Any]:
+def ledger_acquire(t: Tables, due: DueTest = due_between) -> Select[Any]:
     """Take key ``p_key`` for ``p_owner`` under a lease of ``p_lease``
     seconds, unless the delivery of job ``p_job_id`` at ``p_attempt`` is
     fenced; one row: the attempts if taken, and the fence's verdict."""
@@ -1145,7 +1189,7 @@ def ledger_acquire(t: Tables) -> Select[Any]:
     no_fsync = select(
         func.set_config(_sql("'synchronous_commit'"), _sql("'off'"), _sql("true")).label("off")
     ).cte("no_fsync")
-    fence = _delivery_fence(t)
+    fence = _delivery_fence(t, due)
     row = (
         select(
             bindparam("p_key", type_=Text),
@@ -1192,10 +1236,10 @@ def ledger_acquire(t: Tables) -> Select[Any]:
     return select(select(taken.c.attempts).scalar_subquery().label("taken"), *fence.verdict)
 
 
-def ledger_check_delivery(t: Tables) -> Select[Any]:
+def ledger_check_delivery(t: Tables, due: DueTest = due_between) -> Select[Any]:
     """The delivery fence and adoption of :func:`ledger_acquire` for a
     delivery of job ``p_job_id`` at ``p_attempt`` that takes no key."""
-    return select(*_delivery_fence(t).verdict)
+    return select(*_delivery_fence(t, due).verdict)
 
 
 def ledger_inspect(t: Tables) -> Select[Any]:
@@ -1341,6 +1385,26 @@ class Statements:
         self.ledger_inspect = ledger_inspect(t)
         self.ledger_complete = ledger_complete(t)
         self.ledger_complete_keep_result = ledger_complete_keep_result(t)
+        #: The worker's statements for a message without the due header.
+        self.by_margin = MarginStatements(t)
+
+
+class MarginStatements:
+    """The worker's statements by id bounded by :func:`sent_due` instead of
+    :func:`due_between`: for messages sent before the ``celery_sched_due``
+    header existed (each costs a lock on every partition, as before)."""
+
+    def __init__(self, t: Tables) -> None:
+        self.mark_running = mark_running(t, sent_due)
+        self.mark_finished = mark_finished(t, sent_due)
+        self.mark_retrying = mark_retrying(t, sent_due)
+        self.batch_running = batch_running(t, sent_due)
+        self.batch_retrying = batch_retrying(t, sent_due)
+        self.batch_finished = batch_finished(t, sent_due)
+        self.batch_ran = batch_ran(t, sent_due)
+        self.batch_lost = batch_lost(t, sent_due)
+        self.ledger_acquire = ledger_acquire(t, sent_due)
+        self.ledger_check_delivery = ledger_check_delivery(t, sent_due)
 
 
 def render(schema: str, names: list[str] | None = None) -> str:
