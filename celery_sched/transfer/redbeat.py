@@ -68,33 +68,34 @@ def entry_of(key: str, name: str, text: str | None, statics: set[str], app: Any)
     """The entry of the redbeat hash ``key`` (entry ``name``) whose
     ``definition`` field is ``text``."""
     where = _where(key)
-    name = json_text.one_line(name, 100)
+    label = json_text.one_line(name, 100)  # what a skipped entry is shown as
     if text is None:
-        return Skipped(where=where, name=name, reason="listed but has no definition (deleted)")
+        return Skipped(where=where, name=label, reason="listed but has no definition (deleted)")
     try:
         definition = json_text.loads(text, object_hook=_decode)
     except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
         reason = json_text.one_line(f"unreadable definition: {exc}")
-        return Skipped(where=where, name=name, reason=reason, refused=True)
+        return Skipped(where=where, name=label, reason=reason, refused=True)
     if not isinstance(definition, dict):
         reason = f"unreadable definition: a JSON {type(definition).__name__}, not an object"
-        return Skipped(where=where, name=name, reason=reason, refused=True)
+        return Skipped(where=where, name=label, reason=reason, refused=True)
     if definition.get("name") is not None and not isinstance(definition["name"], str):
         reason = f"name must be a string, got {type(definition['name']).__name__}"
-        return Skipped(where=where, name=name, reason=reason, refused=True)
-    name = json_text.one_line(definition.get("name") or name, 100)
+        return Skipped(where=where, name=label, reason=reason, refused=True)
+    name = definition.get("name") or name
+    label = json_text.one_line(name, 100)
     if name in statics:
         return Skipped(
             where=where,
-            name=name,
+            name=label,
             reason="from the app's beat_schedule; celery_sched reads it from the code",
         )
     if definition.get("enabled") is False:
-        return Skipped(where=where, name=name, reason="disabled")
+        return Skipped(where=where, name=label, reason="disabled")
     try:
         schedule, relative = _schedule(definition.get("schedule"), app)
     except ValueError as exc:
-        return Skipped(where=where, name=name, reason=json_text.one_line(str(exc)), refused=True)
+        return Skipped(where=where, name=label, reason=json_text.one_line(str(exc)), refused=True)
     fields: dict[str, Any] = {
         "name": name,
         "task": definition.get("task"),
@@ -105,11 +106,11 @@ def entry_of(key: str, name: str, text: str | None, statics: set[str], app: Any)
     }
     options = definition.get("options") or {}
     if not isinstance(options, dict):
-        return Skipped(where=where, name=name, reason="options is not a mapping", refused=True)
+        return Skipped(where=where, name=label, reason="options is not a mapping", refused=True)
     clash = sorted(set(options) & set(fields))
     if clash:
         reason = f"options may not be named {', '.join(clash)}"
-        return Skipped(where=where, name=name, reason=reason, refused=True)
+        return Skipped(where=where, name=label, reason=reason, refused=True)
     fields.update(options)
     return ScheduleEntry(where=where, fields=fields)
 
