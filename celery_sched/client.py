@@ -21,6 +21,7 @@ from celery_sched.errors import (
     InvalidJob,
     InvalidSchedule,
     StoreError,
+    UndecodableBody,
     UnknownSchedule,
 )
 from celery_sched.ids import UUID7Source
@@ -787,7 +788,13 @@ def _info(row: StoredSchedule, runs: ScheduleRuns | None, accept: frozenset[str]
         planned = None if row.broken_at is not None else row.next_nominal_at
         candidates = [t for t in (runs.next_due_at, planned) if t is not None]
         next_run = min(candidates) if candidates else None
-    args, kwargs = _decode(row, accept)
+    undecodable: str | None = None
+    try:
+        args, kwargs = _decode(row, accept)
+    except UndecodableBody as exc:
+        # One unreadable row must not fail every listing (the CLI's, the
+        # console's): it shows as broken, with the reason.
+        args, kwargs, undecodable = (), {}, str(exc)
     return ScheduleInfo(
         name=row.name,
         task=row.task,
@@ -812,5 +819,6 @@ def _info(row: StoredSchedule, runs: ScheduleRuns | None, accept: frozenset[str]
         updated_at=row.updated_at,
         disabled_at=row.disabled_at,
         broken_at=row.broken_at,
-        broken_reason=row.broken_reason,
+        broken_reason=undecodable or row.broken_reason,
+        undecodable=undecodable,
     )

@@ -133,6 +133,11 @@ class JobBuilder:
 
     # -- public -------------------------------------------------------------
 
+    @property
+    def content_type(self) -> str:
+        """The content type of the bodies built (the app's task serializer)."""
+        return self._content_type
+
     def build(
         self,
         task_name: str,

@@ -110,7 +110,10 @@ def schedules(ctx: click.Context, limit: int | None, after: str | None, as_json:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
     broken = [info for info in infos if info.state == "broken"]
     if broken:
-        click.echo("Broken (the planner set them aside; update or resume one to retry it):")
+        click.echo(
+            "Broken (the planner set them aside, or their arguments cannot be read here; "
+            "update or resume one to retry it):"
+        )
         for info in broken:
             click.echo(f"  {info.name}  since {when(info.broken_at)}: {info.broken_reason}")
     total = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))

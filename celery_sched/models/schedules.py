@@ -381,7 +381,10 @@ class ScheduleInfo:
     disabled, broken or will never fire again. ``last_run_at`` /
     ``last_status`` are the latest occurrence due so far and its job status.
     ``broken_at`` / ``broken_reason``: when and why the planner set it aside
-    (until it is updated or resumed).
+    (until it is updated or resumed). ``undecodable``: why its stored
+    arguments cannot be read here (a serializer the app's ``accept_content``
+    does not list); ``args`` and ``kwargs`` are then empty, ``broken_reason``
+    says the same and it counts as broken.
     """
 
     name: str
@@ -408,6 +411,7 @@ class ScheduleInfo:
     disabled_at: dt.datetime | None = None
     broken_at: dt.datetime | None = None
     broken_reason: str | None = None
+    undecodable: str | None = None
 
     def __post_init__(self) -> None:
         check_aware(
@@ -429,6 +433,8 @@ class ScheduleInfo:
         fires again) or ``active``."""
         if not self.enabled:
             return "disabled"
+        if self.undecodable is not None:
+            return "broken"  # resuming would not mend it: it says so however paused
         if self.paused:
             return "paused"
         if self.broken_at is not None:

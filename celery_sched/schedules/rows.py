@@ -23,6 +23,7 @@ from celery_sched.models import (
     OverlapPolicy,
     ScheduleSpec,
     StoredSchedule,
+    accepted_content_types,
 )
 from celery_sched.protocol import MAX_KEY_LENGTH
 from celery_sched.schedules.evaluate import first_after, next_after
@@ -75,9 +76,11 @@ def schedule_row(
     computed at ``now`` (:func:`first_nominal`).
 
     Raises :class:`~celery_sched.errors.InvalidSchedule` naming the problem
-    (arguments the serializer refuses, a payload over the limit, an invalid
+    (arguments the serializer refuses, a serializer the app's
+    ``accept_content`` does not list, a payload over the limit, an invalid
     option, or with ``check_task`` an unregistered task).
     """
+    _check_accepted(spec.name, builder)
     try:
         sample = builder.build(
             spec.task,
@@ -126,6 +129,21 @@ def first_nominal(spec: ScheduleSpec, now: dt.datetime) -> dt.datetime | None:
     if spec.kind == "clocked":
         return next_after(spec, _MIN_INSTANT)
     return first_after(spec, now)
+
+
+def _check_accepted(name: str, builder: JobBuilder) -> None:
+    """InvalidSchedule when the app's workers would refuse the task serializer:
+    every occurrence would be refused, and the stored arguments could not
+    be read back (``Client.schedules.list``)."""
+    conf = builder.app.conf
+    if builder.content_type in accepted_content_types(conf.accept_content):
+        return
+    raise InvalidSchedule(
+        f"schedule {name!r}: the task serializer {conf.task_serializer!r} "
+        f"({builder.content_type}) is not in the app's accept_content "
+        f"({', '.join(map(str, conf.accept_content or ()))}): its workers would refuse "
+        "every occurrence; add it to accept_content or choose another task_serializer"
+    )
 
 
 def cursor_before(spec: ScheduleSpec, instant: dt.datetime) -> dt.datetime:

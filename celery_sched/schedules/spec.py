@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -457,7 +458,14 @@ def _definition(
     ):
         return "interval", interval_definition(what, value), zone_name or default_zone, relative
     if isinstance(value, solar):
-        definition = {"event": value.event, "lat": float(value.lat), "lon": float(value.lon)}
+        lat, lon = float(value.lat), float(value.lon)
+        # solar() checks the ranges, which NaN passes; ephem then fails on it
+        # with a bare ValueError at the first look for the next event.
+        if not (math.isfinite(lat) and math.isfinite(lon)):
+            raise InvalidSchedule(
+                f"{what}: solar latitude and longitude must be finite, got {lat!r}, {lon!r}"
+            )
+        definition = {"event": value.event, "lat": lat, "lon": lon}
         return "solar", definition, zone_name or default_zone, False
     if isinstance(value, clocked):
         zone_name = zone_name or default_zone

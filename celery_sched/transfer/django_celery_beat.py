@@ -18,8 +18,7 @@ and arguments that are not JSON.
 from __future__ import annotations
 
 import datetime as dt
-import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import psycopg
@@ -31,7 +30,8 @@ from celery_sched.errors import InvalidImport, InvalidSchedule
 from celery_sched.schedules import clocked
 from celery_sched.schedules.cron import read_crontab
 from celery_sched.settings import sanitize_url
-from celery_sched.transfer.schedule_entries import Read, ScheduleEntry, Skipped
+from celery_sched.transfer import json_text
+from celery_sched.transfer.schedule_entries import Read, ScheduleEntry, Skipped, read_each
 
 #: Seconds per django-celery-beat interval period.
 PERIOD_SECONDS = {
@@ -83,7 +83,17 @@ def read_entries(database_url: str, *, schema: str = "public", app: Any) -> list
             f"cannot read django-celery-beat's tables (schema {schema!r}) at "
             f"{sanitize_url(database_url)}: {first}"
         ) from None
-    return [entry_of(row, app=app) for row in rows]
+    return entries_of(rows, app=app)
+
+
+def entries_of(rows: Iterable[Mapping[str, Any]], *, app: Any) -> list[Read]:
+    """The entry of each periodic-task row of :data:`_QUERY`; a row that
+    cannot be read is refused with the reason, and the others go on."""
+    return read_each(
+        rows,
+        lambda row: entry_of(row, app=app),
+        lambda row: (f"periodic task {str(row['name'])[:100]!r}", str(row["name"])[:100]),
+    )
 
 
 def _conninfo(url: str) -> str:
@@ -134,7 +144,7 @@ def entry_of(row: Mapping[str, Any], *, app: Any) -> Read:
         fields["kwargs"] = _json(row["kwargs"], "kwargs", dict) or {}
         headers = _json(row["headers"], "headers", dict)
     except ValueError as exc:
-        return refuse(f"{type(exc).__name__}: {exc}")
+        return refuse(json_text.one_line(f"{type(exc).__name__}: {exc}"))
     if timezone is not None:
         fields["timezone"] = timezone
     for option in ("queue", "exchange", "routing_key"):
@@ -162,7 +172,8 @@ def _schedule(kind: str, row: Mapping[str, Any], app: Any, what: str) -> tuple[o
         period = PERIOD_SECONDS.get(str(row["period"]))
         if period is None:
             raise InvalidSchedule(f"unknown interval period {row['period']!r}")
-        return dt.timedelta(seconds=row["every"] * period), None
+        # Seconds, not a timedelta: add() bounds them (a huge every overflows one).
+        return float(row["every"]) * period, None
     if kind == "solar":
         return solar(row["event"], float(row["latitude"]), float(row["longitude"]), app=app), None
     return clocked(row["clocked_time"], app=app), None
@@ -172,9 +183,9 @@ def _json(text: Any, what: str, kind: type) -> Any:
     if text is None or not str(text).strip():
         return None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidSchedule(f"{what} is not JSON: {exc.msg}") from None
+        value = json_text.loads(text)
+    except ValueError as exc:
+        raise InvalidSchedule(f"{what}: {exc}") from None
     if value is not None and not isinstance(value, kind):
         raise InvalidSchedule(f"{what} must be a JSON {kind.__name__}, got {type(value).__name__}")
     return value

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import PurePath
@@ -26,6 +25,7 @@ from typing import Any
 
 from celery_sched.client import Client
 from celery_sched.errors import DuplicateJob, InvalidImport, InvalidJob
+from celery_sched.transfer import json_text
 from celery_sched.validation import ALLOWED_OPTIONS
 
 FORMATS = ("csv", "jsonl")
@@ -85,9 +85,9 @@ def _jsonl_rows(stream: Iterable[str]) -> Iterator[Read]:
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield line_number, f"malformed JSON: {exc.msg} at column {exc.colno}"
+            value = json_text.loads(line)
+        except ValueError as exc:
+            yield line_number, str(exc)
             continue
         if not isinstance(value, dict):
             yield line_number, f"expected a JSON object, got {type(value).__name__}"
@@ -149,9 +149,9 @@ def _cell(column: str, text: str) -> Any:
     text = text.strip()
     if column in _JSON_COLUMNS:
         try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"column {column}: malformed JSON: {exc.msg}") from None
+            return json_text.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"column {column}: {exc}") from None
     if column in _INT_COLUMNS:
         try:
             return int(text)
@@ -267,12 +267,12 @@ def import_rows(
         if progress is not None:
             progress(1)
         if isinstance(row, str):
-            report.refused.append((line, row))
+            report.refused.append((line, json_text.one_line(row)))
             continue
         try:
             client.check_row(row)
         except InvalidJob as exc:
-            report.refused.append((line, f"{type(exc).__name__}: {exc}"))
+            report.refused.append((line, json_text.one_line(f"{type(exc).__name__}: {exc}")))
             continue
         key = row.get("key")
         if isinstance(key, str):

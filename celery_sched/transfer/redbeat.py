@@ -16,7 +16,6 @@ anything else celery_sched has no equivalent for, are refused.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 import redis
@@ -25,7 +24,8 @@ from celery.schedules import crontab
 from celery_sched.errors import InvalidImport
 from celery_sched.redisconn import build_client
 from celery_sched.settings import sanitize_url
-from celery_sched.transfer.schedule_entries import Read, ScheduleEntry, Skipped
+from celery_sched.transfer import json_text
+from celery_sched.transfer.schedule_entries import Read, ScheduleEntry, Skipped, read_each
 
 #: redbeat's default ``redbeat_key_prefix``.
 DEFAULT_PREFIX = "redbeat:"
@@ -53,33 +53,49 @@ def read_entries(redis_url: str, *, key_prefix: str = DEFAULT_PREFIX, app: Any) 
         raise InvalidImport(
             f"cannot read redbeat's entries from Redis at {sanitize_url(redis_url)}: {exc}"
         ) from None
-    return [
-        _entry(key, key.removeprefix(key_prefix), definition, statics, app)
-        for key, definition in zip(keys, definitions, strict=True)
-    ]
+    return read_each(
+        zip(keys, definitions, strict=True),
+        lambda pair: entry_of(pair[0], pair[0].removeprefix(key_prefix), pair[1], statics, app),
+        lambda pair: (_where(pair[0]), json_text.one_line(pair[0].removeprefix(key_prefix), 100)),
+    )
 
 
-def _entry(key: str, name: str, text: str | None, statics: set[str], app: Any) -> Read:
-    where = f"Redis key {key}"
+def _where(key: str) -> str:
+    return f"Redis key {json_text.one_line(key, 200)}"
+
+
+def entry_of(key: str, name: str, text: str | None, statics: set[str], app: Any) -> Read:
+    """The entry of the redbeat hash ``key`` (entry ``name``) whose
+    ``definition`` field is ``text``."""
+    where = _where(key)
+    label = json_text.one_line(name, 100)  # what a skipped entry is shown as
     if text is None:
-        return Skipped(where=where, name=name, reason="listed but has no definition (deleted)")
+        return Skipped(where=where, name=label, reason="listed but has no definition (deleted)")
     try:
-        definition = json.loads(text, object_hook=_decode)
-    except (ValueError, TypeError, KeyError) as exc:
-        return Skipped(where=where, name=name, reason=f"unreadable definition: {exc}", refused=True)
-    name = str(definition.get("name") or name)
+        definition = json_text.loads(text, object_hook=_decode)
+    except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
+        reason = json_text.one_line(f"unreadable definition: {exc}")
+        return Skipped(where=where, name=label, reason=reason, refused=True)
+    if not isinstance(definition, dict):
+        reason = f"unreadable definition: a JSON {type(definition).__name__}, not an object"
+        return Skipped(where=where, name=label, reason=reason, refused=True)
+    if definition.get("name") is not None and not isinstance(definition["name"], str):
+        reason = f"name must be a string, got {type(definition['name']).__name__}"
+        return Skipped(where=where, name=label, reason=reason, refused=True)
+    name = definition.get("name") or name
+    label = json_text.one_line(name, 100)
     if name in statics:
         return Skipped(
             where=where,
-            name=name,
+            name=label,
             reason="from the app's beat_schedule; celery_sched reads it from the code",
         )
     if definition.get("enabled") is False:
-        return Skipped(where=where, name=name, reason="disabled")
+        return Skipped(where=where, name=label, reason="disabled")
     try:
         schedule, relative = _schedule(definition.get("schedule"), app)
     except ValueError as exc:
-        return Skipped(where=where, name=name, reason=str(exc), refused=True)
+        return Skipped(where=where, name=label, reason=json_text.one_line(str(exc)), refused=True)
     fields: dict[str, Any] = {
         "name": name,
         "task": definition.get("task"),
@@ -90,7 +106,11 @@ def _entry(key: str, name: str, text: str | None, statics: set[str], app: Any) -
     }
     options = definition.get("options") or {}
     if not isinstance(options, dict):
-        return Skipped(where=where, name=name, reason="options is not a mapping", refused=True)
+        return Skipped(where=where, name=label, reason="options is not a mapping", refused=True)
+    clash = sorted(set(options) & set(fields))
+    if clash:
+        reason = f"options may not be named {', '.join(clash)}"
+        return Skipped(where=where, name=label, reason=reason, refused=True)
     fields.update(options)
     return ScheduleEntry(where=where, fields=fields)
 
@@ -110,7 +130,8 @@ def _schedule(value: Any, app: Any) -> tuple[object, bool]:
         every = value.get("every")
         if not isinstance(every, (int, float)) or isinstance(every, bool):
             raise ValueError(f"interval schedule without seconds: {value!r}")
-        return dt.timedelta(seconds=every), bool(value.get("relative"))
+        # Seconds, not a timedelta: add() bounds them (1e300 overflows a timedelta).
+        return float(every), value.get("relative") is True
     raise ValueError(
         f"unsupported schedule type {kind!r} (celery_sched has crontab, interval, solar "
         "and clocked schedules)"

@@ -11,11 +11,14 @@ taken, and adds the rest in one all-or-nothing ``add_many``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from celery_sched.client import Client
 from celery_sched.errors import CelerySchedError
+from celery_sched.transfer import json_text
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +52,28 @@ class Skipped:
 
 
 Read = ScheduleEntry | Skipped
+
+#: What checking or reading one entry may raise besides the project's own
+#: errors: Celery's schedule classes, ephem and the datetime constructors
+#: refuse values with ValueError, TypeError or OverflowError. One entry's
+#: refusal must never end the import of the others.
+UNREADABLE = (CelerySchedError, ValueError, TypeError, ArithmeticError, RecursionError)
+
+
+def read_each(
+    items: Iterable[T], read: Callable[[T], Read], where: Callable[[T], tuple[str, str]]
+) -> list[Read]:
+    """``read`` of each item; an item it cannot read is a refused :class:`Skipped`
+    at ``where(item)`` (its place and name), with the reason."""
+    entries: list[Read] = []
+    for item in items:
+        try:
+            entries.append(read(item))
+        except UNREADABLE as exc:
+            place, name = where(item)
+            reason = json_text.one_line(f"{type(exc).__name__}: {exc}")
+            entries.append(Skipped(where=place, name=name, reason=reason, refused=True))
+    return entries
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -108,17 +133,16 @@ def _refusal(
     check_task: bool,
 ) -> Skipped | None:
     """Why ``entry`` is not added (stored already, named twice, invalid), or None."""
+    label = json_text.one_line(entry.name, 100)
     if entry.name in taken:
-        return Skipped(
-            where=entry.where, name=entry.name, reason="a schedule of that name is stored"
-        )
+        return Skipped(where=entry.where, name=label, reason="a schedule of that name is stored")
     if entry.name in first_seen:
         reason = f"the name is taken by the entry at {first_seen[entry.name]}"
     else:
         try:
             client.schedules.check(entry.fields, check_task=check_task)
-        except CelerySchedError as exc:
-            reason = f"{type(exc).__name__}: {exc}"
+        except UNREADABLE as exc:
+            reason = json_text.one_line(f"{type(exc).__name__}: {exc}")
         else:
             return None
-    return Skipped(where=entry.where, name=entry.name, reason=reason, refused=True)
+    return Skipped(where=entry.where, name=label, reason=reason, refused=True)

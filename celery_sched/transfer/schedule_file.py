@@ -18,7 +18,6 @@ object is what tells ``sched import`` that a file holds schedules, not jobs.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -30,6 +29,7 @@ from celery_sched.errors import CelerySchedError, InvalidSchedule
 from celery_sched.models import ScheduleInfo
 from celery_sched.schedules import CRON_FIELDS, clocked
 from celery_sched.schedules.cron import read_crontab
+from celery_sched.transfer import json_text
 from celery_sched.transfer.schedule_entries import Read, ScheduleEntry, Skipped
 
 #: Schedules read per query while exporting.
@@ -43,8 +43,8 @@ _FIELDS = ("timezone", "misfire", "overlap", "catchup_window", "max_catchup", "r
 def is_schedule_row(line: str) -> bool:
     """Whether a JSON line is an exported schedule (an object with a ``schedule`` object)."""
     try:
-        value = json.loads(line)
-    except json.JSONDecodeError:
+        value = json_text.loads(line)
+    except ValueError:
         return False
     return isinstance(value, dict) and isinstance(value.get("schedule"), dict)
 
@@ -62,7 +62,10 @@ def export_rows(client: Client) -> Iterator[dict[str, Any]]:
 
 
 def export_row(info: ScheduleInfo) -> dict[str, Any]:
-    """The exported row of one schedule."""
+    """The exported row of one schedule; ValueError when its arguments
+    cannot be read here (an export would lose them)."""
+    if info.undecodable is not None:
+        raise ValueError(f"schedule {info.name!r} cannot be exported: {info.undecodable}")
     return {
         "name": info.name,
         "task": info.task,
@@ -105,14 +108,9 @@ def read_entries(lines: Iterable[str], *, app: Any) -> Iterator[Read]:
             continue
         where = f"line {number}"
         try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield Skipped(
-                where=where,
-                name="?",
-                reason=f"malformed JSON: {exc.msg} at column {exc.colno}",
-                refused=True,
-            )
+            value = json_text.loads(line)
+        except ValueError as exc:
+            yield Skipped(where=where, name="?", reason=str(exc), refused=True)
             continue
         if not isinstance(value, dict):
             yield Skipped(
@@ -127,7 +125,7 @@ def read_entries(lines: Iterable[str], *, app: Any) -> Iterator[Read]:
 
 def _entry(where: str, row: dict[str, Any], app: Any) -> Read:
     name = row.get("name")
-    label = name if isinstance(name, str) else "?"
+    label = json_text.one_line(name, 100) if isinstance(name, str) else "?"
     if row.get("source") == "static":
         reason = "defined in code (beat_schedule or a task decorator); the leader syncs it"
         if row.get("enabled") is False:
@@ -152,7 +150,7 @@ def _entry(where: str, row: dict[str, Any], app: Any) -> Read:
             raise InvalidSchedule(f"options may not be named {', '.join(clash)}")
         fields.update(options)
     except (CelerySchedError, ValueError, TypeError) as exc:
-        reason = f"{type(exc).__name__}: {exc}"
+        reason = json_text.one_line(f"{type(exc).__name__}: {exc}")
         return Skipped(where=where, name=label, reason=reason, refused=True)
     return ScheduleEntry(where=where, fields=fields, paused=row.get("paused") is True)
 
@@ -172,7 +170,8 @@ def schedule_of(spec: Any, *, app: Any, what: str = "schedule") -> object:
         seconds = spec.get("seconds")
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
             raise InvalidSchedule(f"interval schedule needs seconds, got {seconds!r}")
-        return dt.timedelta(seconds=seconds)
+        # Seconds, not a timedelta: add() bounds them (1e300 overflows a timedelta).
+        return float(seconds)
     if kind == "solar":
         try:
             return solar(spec["event"], float(spec["lat"]), float(spec["lon"]), app=app)

@@ -252,7 +252,7 @@ def schedule_row(info: ScheduleInfo) -> dict[str, Any]:
     """A schedule as the list and detail pages (and their JSON) show it."""
     if not info.enabled:
         state = "disabled"
-    elif info.broken_at is not None:
+    elif info.broken_at is not None or info.undecodable is not None:
         state = "broken"
     elif info.paused:
         state = "paused"

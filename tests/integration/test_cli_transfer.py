@@ -218,6 +218,79 @@ def test_import_of_a_schedule_file_skips_bad_entries_with_reasons(
     assert [info.name for info in client.schedules.list()] == ["ok"]
 
 
+def test_hostile_rows_are_refused_one_by_one_never_a_traceback(
+    client: Client, pg_url: str, pg_schema: str, redis_url: str, unique_name: str, tmp_path: Path
+) -> None:
+    """Deep nesting, huge and non-finite numbers: each a refused row with its
+    line or key, the good rows imported (tests/unit/test_transfer_hostile_rows.py
+    has many more)."""
+    run = dict(schema=pg_schema, database_url=pg_url)
+    deep = "[" * 5000 + "]" * 5000
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(
+        "\n".join([
+            deep,
+            '{"task": "cli_app.ping", "key": "deep", "args": ' + deep + "}",
+            '{"task": "cli_app.ping", "key": "huge", "args": [1' + "0" * 5000 + "]}",
+            '{"task": "cli_app.ping", "key": "ok"}',
+        ]) + "\n"
+    )  # fmt: skip
+    result = sched("import", str(jobs), **run)
+    one_line_error(result, "3 row(s) refused")
+    assert "Read 4 row(s): 1 valid, 1 written, 3 refused." in result.stdout
+    assert "line 1: JSON nested more than 100 levels deep" in result.stdout
+    assert "line 2: JSON nested" in result.stdout and "line 3: unreadable JSON" in result.stdout
+    assert client.get("ok") is not None
+
+    ok = {"name": "fine", "task": "cli_app.ping", "schedule": {"kind": "interval", "seconds": 60}}
+    solar_nan = {"kind": "solar", "event": "sunrise", "lat": "nan", "lon": 2}
+    schedules = tmp_path / "schedules.jsonl"
+    schedules.write_text(
+        "\n".join([
+            json.dumps(ok),
+            json.dumps({**ok, "name": "huge", "schedule": {"kind": "interval", "seconds": 1e300}}),
+            json.dumps({**ok, "name": "nan"}).replace("60", "NaN"),
+            json.dumps({**ok, "name": "dawn", "schedule": solar_nan}).replace('"nan"', "NaN"),
+            json.dumps({**ok, "name": "deep"})[:-1] + ', "args": ' + deep + "}",
+        ]) + "\n"
+    )  # fmt: skip
+    result = sched("import", str(schedules), **run)
+    one_line_error(result, "4 schedule(s) refused")
+    assert "Added 1 schedule(s):" in result.stdout
+    assert "huge (line 2), refused: InvalidSchedule:" in result.stdout
+    assert "nan (line 3), refused:" in result.stdout
+    assert "dawn (line 4), refused:" in result.stdout and "finite" in result.stdout
+    assert "? (line 5), refused: JSON nested more than 100 levels deep" in result.stdout
+
+    prefix = f"{unique_name}:redbeat:"
+    redis_client = redis.Redis.from_url(redis_url)
+    definitions = {
+        "big": {"name": "big", "task": "cli_app.ping",
+                "schedule": {"__type__": "interval", "every": 1e300}},
+        "neg": {"name": "neg", "task": "cli_app.ping",
+                "schedule": {"__type__": "interval", "every": -60}},
+        "good": {"name": "good", "task": "cli_app.ping",
+                 "schedule": {"__type__": "interval", "every": 60}},
+    }  # fmt: skip
+    texts = {name: json.dumps(value) for name, value in definitions.items()}
+    texts["deep"] = deep
+    texts["list"] = "[1, 2]"
+    try:
+        for score, (name, text) in enumerate(texts.items()):
+            redis_client.hset(prefix + name, "definition", text)
+            redis_client.zadd(prefix + ":schedule", {prefix + name: score})
+        args = ("import", "--from", "redbeat", "--redis-url", redis_url, "--key-prefix", prefix)
+        result = sched(*args, **run)
+    finally:
+        harness.delete_keys(redis_client, unique_name)
+        redis_client.close()
+    one_line_error(result, "4 schedule(s) refused")
+    assert "Added 1 schedule(s):" in result.stdout and "good: cli_app.ping" in result.stdout
+    for name in ("big", "neg", "deep", "list"):
+        assert f"{name} (Redis key {prefix}{name}), refused:" in result.stdout, name
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 # -- moving from celery-redbeat ----------------------------------------------------------
 
 
