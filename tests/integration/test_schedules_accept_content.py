@@ -111,7 +111,7 @@ def test_listings_show_a_schedule_they_cannot_decode_as_broken(
     # Its arguments are unreadable here: an export would lose them, so it refuses.
     one_line_error(sched("export", **run), "legacy", "accept_content")
 
-    web = TestClient(create_app(client))
+    web = TestClient(create_app(client), base_url="http://127.0.0.1")
     page = web.get("/schedules", params={"format": "json"})
     assert page.status_code == 200, page.text
     rows = {row["name"]: row for row in page.json()["schedules"]}

@@ -67,9 +67,9 @@ T = TypeVar("T")
 CONNECT_TIMEOUT = 10
 
 #: The session setting by which a writer says which schema revision it
-#: writes for, and this code's value (migration 0013 reads it, by name).
+#: writes for, and this code's value (migration 0014 reads it, by name).
 WRITER_SETTING = "celery_sched.writer_revision"
-WRITER_REVISION = "0013"
+WRITER_REVISION = "0014"
 
 #: The dialect statements are compiled for (SQLAlchemy's psycopg 3 dialect).
 DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
@@ -253,7 +253,7 @@ class Database:
             # the future holds millions of rows: compiling it took ~200 ms
             # per claim of 1,000 rows at 5M future jobs (3 ms without).
             "jit": "off",
-            # The schema revision this code writes for: migration 0013's
+            # The schema revision this code writes for: migration 0014's
             # trigger refuses keyed jobs from writers that do not say it
             # (clients from before 0012 still running after the migration).
             WRITER_SETTING: WRITER_REVISION,

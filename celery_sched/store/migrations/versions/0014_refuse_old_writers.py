@@ -1,7 +1,7 @@
 """Refuse keyed jobs from writers older than 0012, which would store a key twice.
 
-Revision ID: 0013
-Revises: 0012
+Revision ID: 0014
+Revises: 0013
 Create Date: 2026-12-07
 
 Clients from before 0012 relied on the unique index on ``jobs.key`` that
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from alembic import context, op
 
-revision: str = "0013"
-down_revision: str | None = "0012"
+revision: str = "0014"
+down_revision: str | None = "0013"
 branch_labels: str | None = None
 depends_on: str | None = None
 
@@ -63,14 +63,14 @@ def upgrade() -> None:
     )
     # WHEN is evaluated as the row is written, so the rows it filters are
     # never queued for the commit-time check: those of writers that say
-    # revision 0013 or later (the revisions compare as text), and those
+    # revision 0014 or later (the revisions compare as text), and those
     # that take no entry (key NULL and a version-7 id: the 15th character
     # of its text is the version).
     op.execute(
         f"""
         CREATE CONSTRAINT TRIGGER jobs_key_entry AFTER INSERT ON "{schema}".jobs
         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
-        WHEN (coalesce(current_setting('celery_sched.writer_revision', true), '') < '0013'
+        WHEN (coalesce(current_setting('celery_sched.writer_revision', true), '') < '0014'
               AND (NEW.key IS NOT NULL OR substr(NEW.id::text, 15, 1) <> '7'))
         EXECUTE FUNCTION "{schema}".jobs_key_entry_check()
         """
