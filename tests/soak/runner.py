@@ -1,6 +1,9 @@
 """The chaos soak: real beats and workers, a job stream, seeded faults, then the checker.
 
-``python -m tests.soak.runner --minutes N [--seed S]`` (or ``scripts/soak.sh``):
+``python -m tests.soak.runner --minutes N [--seed S] [--mode M ...]`` (or
+``scripts/soak.sh``); a mode is comma-joined dimensions (``tests/soak/spec.py``:
+tracked/untracked workers, mixed/plain/task tasks, ``shards<N>``, ``dense``,
+``clients``), ``--mode`` may be repeated and ``--mode all`` runs each mode:
 
 1. creates a database of its own (``soak_<random>``) on the PostgreSQL server
    of ``CELERY_SCHED_TEST_DATABASE_URL`` and starts two private
@@ -10,25 +13,31 @@
    processes of ``tests.soak.app`` (the harness of ``tests/e2e``);
 3. for N minutes schedules a stream of one-off jobs (plain tasks,
    ``celery_sched.Task`` tasks, and Task tasks with an effect inside
-   ``ledger_transaction``) beside the app's periodic schedules, and injects a
-   seeded random fault every 10-20 s (see ``tests/soak/faults.py``); a
-   process that exits is started again, as a supervisor would;
+   ``ledger_transaction``, as the mode says) beside the app's periodic
+   schedules, with the mode's extra load (``tests/soak/load.py``), and
+   injects a seeded random fault every 10-20 s (see ``tests/soak/faults.py``);
+   a process that exits is started again, as a supervisor would;
 4. settles (until every job finished, or ``--settle`` seconds), stops the
    processes and runs the invariant checker (``tests/soak/checker.py``).
 
-Progress goes to stdout; the last line is one JSON object (figures and
-violations). Exits 1 on any violation.
+Progress goes to stdout; each mode ends with one JSON line (its ``mode``,
+figures and violations); several modes run one after the other, each in a
+process of its own, and a summary JSON object is the last line. Exits 1 on
+any violation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import datetime as dt
 import json
 import logging
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +54,8 @@ from celery_sched.settings import Settings
 from tests.e2e.harness import Cluster, RedisServer, private_database, wait_for, with_database
 from tests.soak.checker import Manifest, check
 from tests.soak.faults import KINDS, Faults, Roster
-from tests.soak.spec import ONE_OFF_TASKS, TABLES
+from tests.soak.load import ClientLoad, dense_rows
+from tests.soak.spec import TABLES, Mode, parse_modes
 
 PG_URL = os.environ.get(
     "CELERY_SCHED_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -54,6 +64,10 @@ QUEUE = "soak"
 LEASE_TTL = 3.0
 VISIBILITY_TIMEOUT = 25.0
 WORKER_TIMEOUT = 20.0
+#: Partitions the ``dense`` mode lays jobs over, and the fewest it accepts in
+#: the table.
+DENSE_RANGES = 160
+DENSE_MIN_PARTITIONS = 150
 
 
 def progress(message: str, *args: Any) -> None:
@@ -68,6 +82,7 @@ class Stream:
     rng: random.Random
     rate: float
     stop_at: float
+    tasks: tuple[str, ...]
     jobs: dict[str, str] = dataclasses.field(default_factory=dict)
     failures: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     retried: int = 0
@@ -80,7 +95,7 @@ class Stream:
             next_at += 1 / self.rate
             index += 1
             key = f"soak-{index:06d}"
-            task = self.rng.choice(ONE_OFF_TASKS)
+            task = self.rng.choice(self.tasks)
             hold = round(self.rng.uniform(0.0, 0.6), 3)
             countdown = self.rng.uniform(0.0, 4.0)
             error = ""
@@ -108,17 +123,62 @@ class Stream:
                 self.failures.append({"key": key, "error": error[:300]})
 
 
-def _unfinished(cluster: Cluster, stream_end: float) -> int:
+def _unfinished(cluster: Cluster, stream_end: float, last_due: float) -> int:
+    # Jobs due after the soak (dense, clients) stay pending: not counted.
     rows = cluster.query(
         "SELECT count(*) FROM {s}.jobs WHERE status IN "
         "('pending', 'dispatched', 'running', 'retrying') "
+        "AND due_at <= to_timestamp(%s) "
         "AND (schedule_id IS NULL OR due_at <= to_timestamp(%s))",
+        last_due + 1,
         stream_end,
     )
     return int(rows[0][0])
 
 
-def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, Any]:
+def _load_dense(
+    client: Client, rng: random.Random, mode: Mode
+) -> tuple[dict[str, str], dict[str, str], list[dict[str, Any]]]:
+    """Schedule the dense layout in bulk loads: (jobs due now, jobs due
+    after the soak, keys the client gave up on)."""
+    now = dt.datetime.now(dt.UTC)
+    rows = dense_rows(now, rng, mode.one_off_tasks, ranges=DENSE_RANGES)
+    due: dict[str, str] = {}
+    future: dict[str, str] = {}
+    failures: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for start in range(0, len(rows), 80):
+        chunk = rows[start : start + 80]
+        error = ""
+        for _attempt in range(10):
+            try:
+                client.schedule_many(chunk)
+            except CelerySchedError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                progress("dense: bulk load failed, again: %s", error[:200])
+                # All or nothing: a commit whose answer was lost is there.
+                with contextlib.suppress(CelerySchedError):
+                    if client.get(chunk[0]["key"]) is not None:
+                        break
+                time.sleep(1.0)
+                continue
+            break
+        else:
+            failures += [{"key": row["key"], "error": error[:300]} for row in chunk]
+            continue
+        for row in chunk:
+            (due if row["eta"] <= now else future)[row["key"]] = row["task"]
+    progress(
+        "dense: %d jobs (%d due now) over %d ranges in %.1fs",
+        len(rows),
+        len(due),
+        DENSE_RANGES,
+        time.monotonic() - started,
+    )
+    return due, future, failures
+
+
+def soak(args: argparse.Namespace, mode: Mode, tmp: Path, database_url: str) -> dict[str, Any]:
     staging = RedisServer("redis-staging", tmp)
     broker = RedisServer("redis-broker", tmp)
     staging.start()
@@ -142,6 +202,8 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
             # under the default `once` collapses into one late run (the
             # misfire tests check that); `all` runs each missed occurrence.
             misfire_policy="all",
+            # No pin: the beats share the shards among themselves.
+            shards=mode.shards,
         )
         store = build_store(settings)
         store.migrate()
@@ -157,6 +219,7 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
             # The worker heartbeat timeout of the leader's rescuer; an older
             # celery_sched ignores the unknown variable.
             "CELERY_SCHED_WORKER_TIMEOUT": str(WORKER_TIMEOUT),
+            **mode.env(),
         }
         os.environ.update(
             {"E2E_BROKER_URL": broker.url, "E2E_QUEUE": QUEUE, "E2E_PG_DSN": dsn, **env}
@@ -179,10 +242,12 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
                 cluster.start_worker(f"worker{n}", concurrency=args.concurrency, pool="prefork"),
             )
         wait_for(cluster.leader, timeout=60, what="a leader")
-        progress("leader elected; %d beats, %d workers", args.beats, args.workers)
+        progress(
+            "mode %s: leader elected; %d beats, %d workers", mode.name, args.beats, args.workers
+        )
 
-        # Imported only now: the app reads its broker and queue from the
-        # environment set above.
+        # Imported only now: the app reads its broker, queue and mode from
+        # the environment set above.
         from tests.soak.app import app
 
         rng = random.Random(args.seed)
@@ -194,13 +259,34 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
             admin_dsn=with_database(dsn, "postgres"),
             database=settings.sqlalchemy_url().database or "",
             rng=random.Random(rng.random()),
+            tracked=mode.tracked,
         )
-        stream_start = time.time()
-        stream_end = stream_start + args.minutes * 60
+        must_run: dict[str, str] = {}
+        future: dict[str, str] = {}
+        failures: list[dict[str, Any]] = []
+        load: ClientLoad | None = None
+        load_client: Client | None = None
         with Client(app, settings=settings) as client:
-            stream = Stream(client, random.Random(rng.random()), args.rate, stream_end)
+            if mode.dense:
+                must_run, future, failures = _load_dense(client, random.Random(rng.random()), mode)
+            stream_start = time.time()
+            stream_end = stream_start + args.minutes * 60
+            stream = Stream(
+                client, random.Random(rng.random()), args.rate, stream_end, mode.one_off_tasks
+            )
             thread = threading.Thread(target=stream.run, name="soak-stream", daemon=True)
             thread.start()
+            if mode.clients:
+                # Clients of their own pool, three threads per connection.
+                load_client = Client(app, settings=settings)
+                load = ClientLoad(
+                    client=load_client,
+                    threads=3 * settings.pool_max_size,
+                    tasks=mode.one_off_tasks,
+                    seed=rng.random(),
+                    stop_at=stream_end,
+                )
+                load.start()
             # Every kind once per round, in a seeded order, so a short soak
             # still sees each of them.
             order: list[str] = []
@@ -224,17 +310,39 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
                 len(stream.jobs),
                 stream.retried,
             )
+            if load is not None and load_client is not None:
+                if load.join(60):
+                    load_client.close()
+                else:
+                    # A client stuck in a call holds the pool: closing it
+                    # would wait for it too.
+                    progress("clients: %d thread(s) never returned", len(load.problems))
+                progress(
+                    "clients: %d must run, %d cancelled, %d due after the soak; calls %s",
+                    len(load.jobs),
+                    len(load.cancelled),
+                    len(load.future),
+                    dict(load.ops),
+                )
+                must_run.update(load.jobs)
+                future.update(load.future)
+        must_run.update(stream.jobs)
+        last_due = max(stream_end + 4.0, load.last_due if load is not None else 0.0)
 
-        settle_deadline = time.time() + args.settle
+        settle_deadline = max(time.time(), last_due) + args.settle
         left = -1
         while time.time() < settle_deadline:
             roster.supervise(time.time() - stream_start)
             try:
-                left = _unfinished(cluster, stream_end)
+                left = _unfinished(cluster, stream_end, last_due)
+                if (
+                    left == 0
+                    and time.time() > last_due
+                    and len(must_run) == _count_keys(cluster, list(must_run))
+                ):
+                    break
             except psycopg.Error:
                 left = -1
-            if left == 0 and len(stream.jobs) == _count_keys(cluster, list(stream.jobs)):
-                break
             time.sleep(2)
         settled = round(time.time() - stream_end, 1)
         progress("settled after %.1fs (%d unfinished)", settled, left)
@@ -243,15 +351,22 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
         report = check(
             dsn,
             Manifest(
-                jobs=stream.jobs,
+                jobs=must_run,
                 stream_start=stream_start,
                 stream_end=stream_end,
                 faults=windows,
-                schedule_failures=stream.failures,
+                schedule_failures=stream.failures + failures,
+                periodic=mode.periodic,
+                tracked=mode.tracked,
+                cancelled=load.cancelled if load is not None else {},
+                future=future,
+                client_problems=load.problems if load is not None else [],
+                min_partitions=DENSE_MIN_PARTITIONS if mode.dense else 0,
             ),
         )
         return {
             "soak": "celery_sched",
+            "mode": mode.name,
             "seed": args.seed,
             "minutes": args.minutes,
             "settle_s": settled,
@@ -263,7 +378,10 @@ def soak(args: argparse.Namespace, tmp: Path, database_url: str) -> dict[str, An
                 "workers": args.workers,
                 "concurrency": args.concurrency,
                 "rate": args.rate,
+                "shards": settings.shards,
+                "pool_max_size": settings.pool_max_size,
             },
+            **({"clients": load.figures()} if load is not None else {}),
             "process_exits": roster.exits,
             **report,
         }
@@ -279,6 +397,65 @@ def _count_keys(cluster: Cluster, keys: list[str]) -> int:
     return int(rows[0][0])
 
 
+def run_one(args: argparse.Namespace, mode: Mode) -> int:
+    """One mode in this process: its JSON line last; 0 if it is clean."""
+    tmp = Path(tempfile.mkdtemp(prefix="celery_sched_soak_"))
+    progress(
+        "soak: mode %s, seed %d, %.1f minutes, logs in %s", mode.name, args.seed, args.minutes, tmp
+    )
+    with private_database(PG_URL) as database_url:
+        result = soak(args, mode, tmp, database_url)
+    clean = not result["violations"] and not result["violation_counts"]
+    if clean and not args.keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        progress("logs kept in %s", tmp)
+    sys.stdout.flush()
+    print(json.dumps(result, default=str), flush=True)
+    return 0 if clean else 1
+
+
+def run_each(args: argparse.Namespace, modes: list[Mode]) -> int:
+    """Each mode in a process of its own (the soak's app reads its mode at
+    import), their output passed through; a summary JSON line last."""
+    summary = []
+    for mode in modes:
+        command = [sys.executable, "-m", "tests.soak.runner", "--mode", mode.name]
+        for name, value in vars(args).items():
+            if name == "mode" or value is None or value is False:
+                continue
+            flag = "--" + name.replace("_", "-")
+            command += [flag] if value is True else [flag, str(value)]
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        last = ""
+        for line in child.stdout:
+            print(line, end="", flush=True)
+            if line.strip():
+                last = line
+        rc = child.wait()
+        try:
+            result = json.loads(last)
+            counts = result.get("violation_counts")
+        except (json.JSONDecodeError, AttributeError):
+            counts = None
+        summary.append(
+            {
+                "mode": mode.name,
+                "rc": rc,
+                "clean": rc == 0,
+                "violation_counts": counts if counts is not None else {"no_result": 1},
+            }
+        )
+    clean = all(entry["clean"] for entry in summary)
+    print(
+        json.dumps(
+            {"summary": "celery_sched soak", "seed": args.seed, "clean": clean, "modes": summary}
+        )
+    )
+    return 0 if clean else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
@@ -291,7 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-min", type=float, default=10.0)
     parser.add_argument("--fault-max", type=float, default=20.0)
     parser.add_argument("--keep", action="store_true", help="keep the logs even when clean")
+    parser.add_argument(
+        "--mode",
+        action="append",
+        default=None,
+        help="comma-joined dimensions, e.g. untracked,shards16,dense (repeatable; 'all': "
+        "each mode in turn; default tracked)",
+    )
     args = parser.parse_args(argv)
+    try:
+        modes = parse_modes(args.mode or [])
+    except ValueError as exc:
+        parser.error(str(exc))
     # celery_sched's own warnings in this process (the client's retries).
     logging.basicConfig(
         level=logging.WARNING, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
@@ -301,18 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("redis-server") is None:
         print("soak: redis-server is not installed (scripts/bootstrap.sh)", file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix="celery_sched_soak_"))
-    progress("soak: seed %d, %.1f minutes, logs in %s", args.seed, args.minutes, tmp)
-    with private_database(PG_URL) as database_url:
-        result = soak(args, tmp, database_url)
-    clean = not result["violations"] and not result["violation_counts"]
-    if clean and not args.keep:
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        progress("logs kept in %s", tmp)
-    sys.stdout.flush()
-    print(json.dumps(result, default=str), flush=True)
-    return 0 if clean else 1
+    if len(modes) == 1:
+        return run_one(args, modes[0])
+    return run_each(args, modes)
 
 
 if __name__ == "__main__":
