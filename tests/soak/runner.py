@@ -15,9 +15,12 @@ tracked/untracked workers, mixed/plain/task tasks, ``shards<N>``, ``dense``,
    ``celery_sched.Task`` tasks, and Task tasks with an effect inside
    ``ledger_transaction``, as the mode says) beside the app's periodic
    schedules, with the mode's extra load (``tests/soak/load.py``), and
-   injects a seeded random fault every 10-20 s (see ``tests/soak/faults.py``);
-   a process that exits is started again, as a supervisor would;
-4. settles (until every job finished, or ``--settle`` seconds), stops the
+   injects a seeded random fault every 10-20 s (see ``tests/soak/faults.py``;
+   a leader fault waits for a burst of ``--burst`` jobs due together to be
+   claimed, so it lands between a claim and its publish); a process that
+   exits is started again, as a supervisor would;
+4. settles (until every job finished and its task recorded a start, or
+   ``--settle`` seconds), stops the
    processes and runs the invariant checker (``tests/soak/checker.py``).
 
 Progress goes to stdout; each mode ends with one JSON line (its ``mode``,
@@ -52,7 +55,7 @@ from celery_sched.client import Client
 from celery_sched.errors import CelerySchedError
 from celery_sched.settings import Settings
 from tests.e2e.harness import Cluster, RedisServer, private_database, wait_for, with_database
-from tests.soak.checker import Manifest, check
+from tests.soak.checker import FaultWindow, Manifest, check
 from tests.soak.faults import KINDS, Faults, Roster
 from tests.soak.load import ClientLoad, dense_rows
 from tests.soak.spec import TABLES, Mode, parse_modes
@@ -68,6 +71,10 @@ WORKER_TIMEOUT = 20.0
 #: the table.
 DENSE_RANGES = 160
 DENSE_MIN_PARTITIONS = 150
+#: Faults aimed at the leader's dispatch: each comes as a burst of ``--burst``
+#: jobs is claimed and published (between a claim and its publish is where a
+#: killed or paused leader can leave rows claimed but never sent).
+AIMED = ("leader_kill", "leader_stop")
 
 
 def progress(message: str, *args: Any) -> None:
@@ -136,6 +143,24 @@ def _unfinished(cluster: Cluster, stream_end: float, last_due: float) -> int:
     return int(rows[0][0])
 
 
+def _load(client: Client, rows: list[dict[str, Any]], what: str) -> str:
+    """``schedule_many(rows)`` through faults; the last error if it gave up."""
+    error = ""
+    for _attempt in range(10):
+        try:
+            client.schedule_many(rows)
+            return ""
+        except CelerySchedError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            progress("%s: bulk load failed, again: %s", what, error[:200])
+            # All or nothing: a commit whose answer was lost is there.
+            with contextlib.suppress(CelerySchedError):
+                if client.get(rows[0]["key"]) is not None:
+                    return ""
+            time.sleep(1.0)
+    return error or "gave up"
+
+
 def _load_dense(
     client: Client, rng: random.Random, mode: Mode
 ) -> tuple[dict[str, str], dict[str, str], list[dict[str, Any]]]:
@@ -149,21 +174,8 @@ def _load_dense(
     started = time.monotonic()
     for start in range(0, len(rows), 80):
         chunk = rows[start : start + 80]
-        error = ""
-        for _attempt in range(10):
-            try:
-                client.schedule_many(chunk)
-            except CelerySchedError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                progress("dense: bulk load failed, again: %s", error[:200])
-                # All or nothing: a commit whose answer was lost is there.
-                with contextlib.suppress(CelerySchedError):
-                    if client.get(chunk[0]["key"]) is not None:
-                        break
-                time.sleep(1.0)
-                continue
-            break
-        else:
+        error = _load(client, chunk, "dense")
+        if error:
             failures += [{"key": row["key"], "error": error[:300]} for row in chunk]
             continue
         for row in chunk:
@@ -176,6 +188,56 @@ def _load_dense(
         time.monotonic() - started,
     )
     return due, future, failures
+
+
+def _burst(
+    client: Client, rng: random.Random, tasks: tuple[str, ...], size: int, serial: int
+) -> tuple[dict[str, str], float, list[dict[str, Any]]]:
+    """``size`` jobs due together 2 s from now: (key -> task, their due
+    time, keys the client gave up on)."""
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+    rows = [
+        {
+            "task": rng.choice(tasks),
+            "args": (0.0,),
+            "eta": due,
+            "key": f"burst-{serial:03d}-{n:05d}",
+            "max_attempts": 50,
+        }
+        for n in range(size)
+    ]
+    error = _load(client, rows, "burst")
+    if error:
+        return {}, due.timestamp(), [{"key": r["key"], "error": error[:300]} for r in rows]
+    return {str(row["key"]): str(row["task"]) for row in rows}, due.timestamp(), []
+
+
+def _wait_for_claim(cluster: Cluster, keys: list[str], deadline: float) -> None:
+    """Return as soon as a leader has claimed one of ``keys`` (its publish
+    follows), or at ``deadline``."""
+    with contextlib.suppress(psycopg.Error), cluster.connect() as conn:
+        query = (
+            f'SELECT 1 FROM "{cluster.schema}".jobs '
+            "WHERE key = ANY(%s) AND status <> 'pending' LIMIT 1"
+        )
+        while time.time() < deadline:
+            if conn.execute(query, (keys,)).fetchone() is not None:
+                return
+            time.sleep(0.002)
+
+
+def _missing_runs(cluster: Cluster, keys: list[str]) -> int:
+    """How many of ``keys`` have no row or no start recorded by their task:
+    untracked rows end ``sent`` whether or not a worker got the message (a
+    killed worker's unacknowledged ones come back a broker visibility
+    timeout later)."""
+    rows = cluster.query(
+        "SELECT %s - count(*) FROM {s}.jobs j WHERE j.key = ANY(%s) "
+        "AND EXISTS (SELECT 1 FROM soak_runs r WHERE r.job_id = j.id::text)",
+        len(keys),
+        keys,
+    )
+    return int(rows[0][0])
 
 
 def soak(args: argparse.Namespace, mode: Mode, tmp: Path, database_url: str) -> dict[str, Any]:
@@ -290,7 +352,7 @@ def soak(args: argparse.Namespace, mode: Mode, tmp: Path, database_url: str) -> 
             # Every kind once per round, in a seeded order, so a short soak
             # still sees each of them.
             order: list[str] = []
-            windows = []
+            windows: list[FaultWindow] = []
             next_fault = stream_start + rng.uniform(args.fault_min, args.fault_max)
             while time.time() < stream_end:
                 roster.supervise(time.time() - stream_start)
@@ -299,6 +361,13 @@ def soak(args: argparse.Namespace, mode: Mode, tmp: Path, database_url: str) -> 
                         order = list(KINDS)
                         rng.shuffle(order)
                     kind = order.pop(0)
+                    if kind in AIMED and args.burst:
+                        jobs, due, gave_up = _burst(
+                            client, rng, mode.one_off_tasks, args.burst, len(windows)
+                        )
+                        must_run.update(jobs)
+                        failures += gave_up
+                        _wait_for_claim(cluster, list(jobs), due + 3.0)
                     window = faults.inject(kind)
                     windows.append(window)
                     progress("fault %s: %s (%.1fs)", kind, window.detail, window.end - window.start)
@@ -335,17 +404,15 @@ def soak(args: argparse.Namespace, mode: Mode, tmp: Path, database_url: str) -> 
             roster.supervise(time.time() - stream_start)
             try:
                 left = _unfinished(cluster, stream_end, last_due)
-                if (
-                    left == 0
-                    and time.time() > last_due
-                    and len(must_run) == _count_keys(cluster, list(must_run))
-                ):
-                    break
+                if left == 0 and time.time() > last_due:
+                    left = _missing_runs(cluster, list(must_run))
+                    if left == 0:
+                        break
             except psycopg.Error:
                 left = -1
             time.sleep(2)
         settled = round(time.time() - stream_end, 1)
-        progress("settled after %.1fs (%d unfinished)", settled, left)
+        progress("settled after %.1fs (%d unfinished or not run)", settled, left)
         cluster.stop_all()
 
         report = check(
@@ -378,6 +445,7 @@ def soak(args: argparse.Namespace, mode: Mode, tmp: Path, database_url: str) -> 
                 "workers": args.workers,
                 "concurrency": args.concurrency,
                 "rate": args.rate,
+                "burst": args.burst,
                 "shards": settings.shards,
                 "pool_max_size": settings.pool_max_size,
             },
@@ -390,11 +458,6 @@ def soak(args: argparse.Namespace, mode: Mode, tmp: Path, database_url: str) -> 
             cluster.stop_all()
         staging.stop()
         broker.stop()
-
-
-def _count_keys(cluster: Cluster, keys: list[str]) -> int:
-    rows = cluster.query("SELECT count(*) FROM {s}.jobs WHERE key = ANY(%s)", keys)
-    return int(rows[0][0])
 
 
 def run_one(args: argparse.Namespace, mode: Mode) -> int:
@@ -467,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--fault-min", type=float, default=10.0)
     parser.add_argument("--fault-max", type=float, default=20.0)
+    parser.add_argument(
+        "--burst", type=int, default=500, help="jobs due together as a leader fault hits (0: none)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the logs even when clean")
     parser.add_argument(
         "--mode",

@@ -25,6 +25,7 @@ import re
 TABLES = (
     "CREATE TABLE IF NOT EXISTS soak_runs (job_id text, key text, task text, attempt int, "
     "pid int, hostname text, started double precision)",
+    "CREATE INDEX IF NOT EXISTS soak_runs_job_id ON soak_runs (job_id)",
     "CREATE TABLE IF NOT EXISTS soak_effects (key text, job_id text, pid int, at double precision)",
 )
 
