@@ -1,7 +1,10 @@
 """The Celery project the chaos soak runs: one-off and periodic tasks that leave evidence.
 
 Configured from the environment set by ``tests/e2e/harness.py`` (``E2E_BROKER_URL``,
-``E2E_QUEUE``, ``E2E_PG_DSN``) and the ``CELERY_SCHED_*`` settings. Every
+``E2E_QUEUE``, ``E2E_PG_DSN``), the ``CELERY_SCHED_*`` settings and ``SOAK_MODE``
+(``tests/soak/spec.py``): untracked workers get neither ``tracking.install`` nor
+any ``celery_sched.Task`` task (``Task`` installs tracking), and the beats plan
+only the mode's periodic schedules. Every
 execution inserts a row into ``soak_runs`` when it starts (job id, key,
 attempt, pid, host, time), so the checker can count runs; the
 ``celery_sched.Task`` tasks that have an effect write it into ``soak_effects``
@@ -23,7 +26,9 @@ from sqlalchemy import text
 
 import celery_sched.tracking
 from celery_sched import Task
-from tests.soak.spec import PERIODIC
+from tests.soak.spec import parse_mode
+
+MODE = parse_mode(os.environ.get("SOAK_MODE", "tracked"))
 
 app = Celery("soak", broker=os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0"))
 app.conf.update(
@@ -39,10 +44,11 @@ app.conf.update(
     beat_max_loop_interval=1,
     beat_schedule={
         name: {"task": task, "schedule": every, "args": (name,)}
-        for name, (task, every) in PERIODIC.items()
+        for name, (task, every) in MODE.periodic.items()
     },
 )
-celery_sched.tracking.install(app)
+if MODE.tracked:
+    celery_sched.tracking.install(app)
 
 _local = threading.local()
 
@@ -113,27 +119,27 @@ def plain(self: Any, hold: float = 0.0) -> None:
     time.sleep(hold)
 
 
-@app.task(name="soak.task", **TASK_OPTIONS)
-def task(self: Task, hold: float = 0.0) -> None:
-    """A ``celery_sched.Task`` without an effect of its own."""
-    _record_start(self)
-    time.sleep(hold)
-
-
-@app.task(name="soak.effect", **TASK_OPTIONS)
-def effect(self: Task, hold: float = 0.0) -> None:
-    """A ``celery_sched.Task`` whose effect is inside ``ledger_transaction``."""
-    _record_start(self)
-    time.sleep(hold)
-    _effect(self)
-
-
 @app.task(name="soak.periodic_plain", bind=True)
 def periodic_plain(self: Any, name: str) -> None:
     _record_start(self)
 
 
-@app.task(name="soak.periodic_task", **TASK_OPTIONS)
-def periodic_task(self: Task, name: str) -> None:
-    _record_start(self)
-    _effect(self)
+if MODE.tracked:
+
+    @app.task(name="soak.task", **TASK_OPTIONS)
+    def task(self: Task, hold: float = 0.0) -> None:
+        """A ``celery_sched.Task`` without an effect of its own."""
+        _record_start(self)
+        time.sleep(hold)
+
+    @app.task(name="soak.effect", **TASK_OPTIONS)
+    def effect(self: Task, hold: float = 0.0) -> None:
+        """A ``celery_sched.Task`` whose effect is inside ``ledger_transaction``."""
+        _record_start(self)
+        time.sleep(hold)
+        _effect(self)
+
+    @app.task(name="soak.periodic_task", **TASK_OPTIONS)
+    def periodic_task(self: Task, name: str) -> None:
+        _record_start(self)
+        _effect(self)

@@ -1,23 +1,39 @@
 """The chaos soak's invariant checker: reads the soak database after the settle period.
 
-Invariants (each broken one is a violation naming the job and its rows):
+Whether a job ran is judged from the workers' own evidence (``soak_runs``: a
+row the task itself writes when it starts), never from the job row's status,
+which untracked workers do not report. Invariants (each broken one is a
+violation naming the job and its rows):
 
-- ``lost``: a job the stream scheduled has no row.
+- ``lost``: a job the stream or a client scheduled has no row, or its row is
+  finished (``succeeded``, or ``sent`` with untracked workers) and no
+  execution of it started.
 - ``stuck``: a job (one-off, or a periodic occurrence due before the stream
   stopped) is still ``pending``, ``dispatched``, ``running`` or ``retrying``.
-- ``not_succeeded``: such a job finished as ``failed``, ``dead``,
-  ``cancelled`` or ``expired`` (faults alone must never end a job).
-- ``succeeded_without_run``: the row says ``succeeded`` but no execution started.
+- ``not_succeeded``: such a job finished otherwise (``failed``, ``dead``,
+  ``cancelled``, ``expired``; ``succeeded`` with untracked workers is fine,
+  ``sent`` with tracked ones is not): faults alone must never end a job.
 - ``effect_not_once``: a key whose task writes its effect inside
   ``ledger_transaction`` has that effect zero times or more than once.
+- ``cancelled_ran`` / ``cancelled_not_cancelled``: a job a client cancelled
+  (``cancel`` returned True) started, wrote its effect, or is not ``cancelled``.
+- ``future_ran`` / ``future_not_pending``: a job due after the soak (the
+  ``dense`` and ``clients`` modes schedule them) started, or its row is not
+  ``pending`` (a missing row is ``lost``).
 - ``periodic_duplicate`` / ``periodic_gap`` / ``periodic_none``: a schedule's
   occurrences (one row per nominal instant) repeat an instant, miss one between
   the first and the last, or do not exist.
-- ``schedule_failed``: the stream could not schedule a job (the client gave up).
+- ``schedule_failed``: the stream could not schedule a job (the client gave up);
+  ``client_failed`` / ``client_hung`` / ``client_get_wrong``: an API client's
+  call gave up, never returned, or ``get`` answered wrong.
+- ``too_few_partitions``: the ``dense`` mode's table has fewer partitions than
+  it asked for.
 
 Figures: counts, the duplicate runs of plain tasks (allowed: at-least-once),
-the duplicate starts of ``celery_sched.Task`` tasks, and the lag (first start
-minus due time) of the jobs due outside every fault window.
+the duplicate starts of ``celery_sched.Task`` tasks, the lag (first start
+minus due time, or minus the stream's start for a job scheduled overdue) of
+the jobs due outside every fault window, and the number of partitions of
+``jobs``.
 """
 
 from __future__ import annotations
@@ -30,12 +46,9 @@ from typing import Any
 
 import psycopg
 
-from tests.soak.spec import PERIODIC
+from tests.soak.spec import EFFECT_TASKS, PLAIN_TASKS
 
 UNFINISHED = ("pending", "dispatched", "running", "retrying")
-#: Tasks whose every key must have its effect exactly once.
-EFFECT_TASKS = ("soak.effect", "soak.periodic_task")
-PLAIN_TASKS = ("soak.plain", "soak.periodic_plain")
 #: Violations printed in full in the JSON line; the counts cover them all.
 MAX_LISTED = 40
 
@@ -58,11 +71,24 @@ class FaultWindow:
 class Manifest:
     """What the runner did: the jobs it scheduled (key -> task) and the faults."""
 
+    #: Jobs that must have run: key -> task.
     jobs: dict[str, str]
     stream_start: float
     stream_end: float
     faults: list[FaultWindow]
     schedule_failures: list[dict[str, Any]]
+    #: Periodic schedules of the mode: name -> (task, interval in seconds).
+    periodic: dict[str, tuple[str, float]]
+    #: Untracked workers: a finished row says ``sent``, not ``succeeded``.
+    tracked: bool = True
+    #: Jobs a client cancelled (must not run) and jobs due after the soak
+    #: (must be pending, not run): key -> task.
+    cancelled: dict[str, str] = dataclasses.field(default_factory=dict)
+    future: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Violations the API clients saw themselves (``client_*``), as entries.
+    client_problems: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: The partitions of ``jobs`` the mode asked for (``dense``).
+    min_partitions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +138,11 @@ def _nominal(key: str) -> dt.datetime | None:
         return None
 
 
-def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict[str, Any]:
-    """Every invariant over the soak database at ``dsn``; returns the report."""
+def check(
+    dsn: str, manifest: Manifest, *, schema: str = "celery_sched", evidence: str = "public"
+) -> dict[str, Any]:
+    """Every invariant over the soak database at ``dsn`` (job rows in
+    ``schema``, the workers' evidence tables in ``evidence``); returns the report."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         jobs = [
             JobRow(str(r[0]), str(r[1]), *r[2:])
@@ -125,10 +154,11 @@ def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict
             ).fetchall()
         ]
         runs = conn.execute(
-            "SELECT job_id, key, task, attempt, pid, hostname, started FROM soak_runs"
+            f'SELECT job_id, key, task, attempt, pid, hostname, started FROM "{evidence}".soak_runs'
         ).fetchall()
         effects = collections.Counter(
-            str(key) for (key,) in conn.execute("SELECT key FROM soak_effects").fetchall()
+            str(key)
+            for (key,) in conn.execute(f'SELECT key FROM "{evidence}".soak_effects').fetchall()
         )
         ledger = {
             str(r[0]): {"state": r[1], "owner": r[2], "attempts": r[3], "job_id": r[4]}
@@ -136,6 +166,12 @@ def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict
                 f'SELECT key, state, owner, attempts, job_id::text FROM "{schema}".ledger'
             ).fetchall()
         }
+        partitions = int(
+            conn.execute(
+                "SELECT count(*) FROM pg_inherits WHERE inhparent = %s::regclass",
+                (f'"{schema}".jobs',),
+            ).fetchone()[0]  # type: ignore[index]
+        )
 
     runs_by_job: dict[str, list[tuple[Any, ...]]] = collections.defaultdict(list)
     for row in runs:
@@ -159,32 +195,59 @@ def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict
 
     for failure in manifest.schedule_failures:
         violation("schedule_failed", failure["key"], error=failure["error"])
+    violations.extend(manifest.client_problems)
+    if partitions < manifest.min_partitions:
+        violation(
+            "too_few_partitions", "jobs", partitions=partitions, wanted=manifest.min_partitions
+        )
 
     # The jobs that must have finished: every one-off the stream scheduled and
     # every occurrence due before the stream stopped (later ones may still be
     # pending in the plan horizon when the beats stop).
     checked: list[JobRow] = []
-    for key in manifest.jobs:
+    for key, task in manifest.jobs.items():
         job = by_key.get(key)
         if job is None:
-            violation("lost", key, task=manifest.jobs[key])
+            violation("lost", key, task=task, why="no row")
         else:
             checked.append(job)
     occurrences = [j for j in jobs if j.schedule is not None and j.due <= manifest.stream_end]
     checked.extend(occurrences)
 
+    finished = ("succeeded",) if manifest.tracked else ("sent", "succeeded")
     for job in checked:
+        ran = bool(runs_by_job.get(job.id))
         if job.status in UNFINISHED:
             violation("stuck", job.key, job)
-        elif job.status != "succeeded":
+        elif job.status not in finished:
             violation("not_succeeded", job.key, job)
-        elif not runs_by_job.get(job.id):
-            violation("succeeded_without_run", job.key, job)
+        elif not ran:
+            violation("lost", job.key, job, why=f"row {job.status}, no execution started")
         if job.task in EFFECT_TASKS and effects.get(job.key, 0) != 1:
             violation("effect_not_once", job.key, job)
 
+    for key, task in manifest.cancelled.items():
+        job = by_key.get(key)
+        if job is None:
+            violation("lost", key, task=task, why="no row (cancelled)")
+            continue
+        if runs_by_job.get(job.id) or effects.get(key, 0):
+            violation("cancelled_ran", key, job)
+        if job.status != "cancelled":
+            violation("cancelled_not_cancelled", key, job)
+
+    for key, task in manifest.future.items():
+        job = by_key.get(key)
+        if job is None:
+            violation("lost", key, task=task, why="no row (due after the soak)")
+            continue
+        if runs_by_job.get(job.id):
+            violation("future_ran", key, job)
+        if job.status != "pending":
+            violation("future_not_pending", key, job)
+
     periodic: dict[str, Any] = {}
-    for name, (_task, every) in PERIODIC.items():
+    for name, (_task, every) in manifest.periodic.items():
         mine = [j for j in occurrences if j.schedule == name]
         instants: collections.Counter[dt.datetime] = collections.Counter()
         for job in mine:
@@ -197,7 +260,7 @@ def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict
             if count > 1:
                 violation("periodic_duplicate", f"{name}@{instant.isoformat()}", count=count)
         ordered = sorted(instants)
-        missing = []
+        missing: list[dict[str, Any]] = []
         for before, after in itertools.pairwise(ordered):
             gap = (after - before).total_seconds()
             if abs(gap - every) > 1e-3:
@@ -227,7 +290,9 @@ def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict
         starts = [float(r[6]) for r in runs_by_job.get(job.id, [])]
         if not starts:
             continue
-        lag = min(starts) - job.due
+        # A job scheduled already overdue (the dense layout's past days) is
+        # late from when it was scheduled, not from its due time.
+        lag = min(starts) - max(job.due, manifest.stream_start)
         lags_all.append(lag)
         if not any(window.covers(job.due) for window in manifest.faults):
             lags_quiet.append(lag)
@@ -235,6 +300,9 @@ def check(dsn: str, manifest: Manifest, *, schema: str = "celery_sched") -> dict
     counts = collections.Counter(v["invariant"] for v in violations)
     return {
         "jobs_scheduled": len(manifest.jobs),
+        "jobs_cancelled": len(manifest.cancelled),
+        "jobs_future": len(manifest.future),
+        "partitions": partitions,
         "occurrences_checked": len(occurrences),
         "statuses": dict(sorted(statuses.items())),
         "runs": len(runs),
