@@ -123,9 +123,10 @@ class JobCopy:
     routes a row to it, so each row's due time is checked against the
     contiguous spans of the known partitions (a comparison of two
     datetimes in the common case); a row no partition holds ends the COPY,
-    its partition (and the other days of its neighbourhood) is created in
-    the load's own transaction, and a new COPY goes on. Keys are collected
-    and COPYed after each segment. One transaction: all or nothing.
+    its partition (and the other days of its neighbourhood) is created and
+    committed apart (:meth:`Partitions.ensure`: the load holds no lock a
+    creator needs), and a new COPY goes on. Keys are collected and COPYed
+    after each segment. One transaction: all or nothing.
     """
 
     def __init__(self, database: Database, partitions: Partitions) -> None:
@@ -219,7 +220,7 @@ class _Load:
     def _read_spans(self) -> None:
         """The known ranges merged into contiguous spans."""
         spans: list[tuple[dt.datetime, dt.datetime]] = []
-        for rng in self._partitions.known():
+        for rng in self._partitions.held(self._conn):
             if spans and spans[-1][1] == rng.lower:
                 spans[-1] = (spans[-1][0], rng.upper)
             else:
