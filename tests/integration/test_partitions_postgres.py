@@ -25,7 +25,7 @@ from celery_sched.leader.planning import Planner
 from celery_sched.models import JobStatus, NewJobRow
 from celery_sched.settings import Settings
 from celery_sched.store.partitions import parse_name
-from celery_sched.store.postgres import PostgresJobStore
+from celery_sched.store.postgres import PostgresJobStore, bulk
 from tests.contract.conftest import new_job
 from tests.integration import cli_app
 from tests.integration.test_cli_schedules import sched
@@ -588,3 +588,83 @@ def test_a_bulk_load_in_flight_stalls_no_writer_that_needs_another_new_partition
         assert check.counts_by_status() == {JobStatus.PENDING: 4}
     finally:
         check.close()
+
+
+def test_a_callers_version_7_key_scheduled_alone_and_in_bulk_at_once_is_one_job(
+    settings: Settings,
+) -> None:
+    """Before: schedule_many COPYed the job row before its key's entry and
+    schedule() took the entry first: due the same time, they deadlocked and
+    the caller was told PostgreSQL was unavailable (#30, finding 10)."""
+    with Client(cli_app.app, settings=settings, staging=False) as client:
+        client.migrate()
+        now = client.store.now()
+        ids = UUID7Source()
+        # A wide window between the bulk's row and its key: the row first,
+        # then many others.
+        filler = [{"task": "cli_app.ping", "eta": now + DAY} for _ in range(2000)]
+        for round_ in range(15):
+            key = str(ids.next())
+            due = now + DAY + round_ * dt.timedelta(seconds=1)
+            barrier = threading.Barrier(2)
+
+            def single(
+                key: str = key, due: dt.datetime = due, barrier: Any = barrier, round_: int = round_
+            ) -> object:
+                barrier.wait()
+                # Into the bulk's window at one point or another.
+                time.sleep(round_ * 0.01)
+                return client.schedule("cli_app.ping", key=key, eta=due)
+
+            def bulk(key: str = key, due: dt.datetime = due, barrier: Any = barrier) -> object:
+                barrier.wait()
+                return client.schedule_many(
+                    [{"task": "cli_app.ping", "key": key, "eta": due}, *filler]
+                )
+
+            one, many = run_threads([single, bulk], within=30)
+            if isinstance(many, int):
+                assert many == 2001 and isinstance(one, DuplicateJob), (one, many)
+            else:
+                assert isinstance(many, DuplicateJob) and not isinstance(one, BaseException), (
+                    one,
+                    many,
+                )
+            job = client.get(key)
+            assert job is not None and str(job.id) == key
+            with raw(settings) as conn:
+                rows = conn.execute(
+                    f'SELECT count(*) FROM "{settings.db_schema}".jobs WHERE id = %s', (job.id,)
+                ).fetchone()
+            assert rows == (1,)
+
+
+def test_a_bulk_load_writes_caller_chosen_ids_after_their_keys_in_bounded_batches(
+    store: PostgresJobStore, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows whose id the caller chose are held back until their keys' entries
+    # are in; a segment ends once it holds HELD_ROWS of them (3 here).
+    monkeypatch.setattr(bulk, "HELD_ROWS", 3)
+    now = store.now()
+    ids = UUID7Source()
+    chosen: list[uuid.UUID] = []
+    rows: list[NewJobRow] = []
+    for i in range(8):
+        due = now + (1 + i % 3) * DAY  # new partitions mid-way, too
+        v4, v7 = uuid.uuid4(), ids.next()
+        chosen += [v4, v7]
+        rows.append((v4, None, *new_job("x", due).as_row()[2:]))  # a Celery task id
+        rows.append((v7, str(v7), *new_job("x", due).as_row()[2:]))  # a v7 key of the caller's
+        rows.append(new_job(f"plain-{i}", due).as_row())  # a key of the caller's
+        rows.append((ids.next(), None, *new_job("x", due).as_row()[2:]))  # generated
+    assert store.load_job_rows(iter(rows)) == len(rows)
+    assert store.counts_by_status() == {JobStatus.PENDING: len(rows)}
+    assert {str(job_id) for job_id in chosen} <= job_keys(settings)
+    # A chosen id taken already still fails the whole load.
+    again = [
+        new_job("y", now + DAY).as_row(),
+        (chosen[0], None, *new_job("z", now + DAY).as_row()[2:]),
+    ]
+    with pytest.raises(DuplicateJob):
+        store.load_job_rows(again)
+    assert store.counts_by_status() == {JobStatus.PENDING: len(rows)}
