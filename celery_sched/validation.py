@@ -39,6 +39,7 @@ from celery_sched.errors import (
 )
 from celery_sched.ids import UUID7Source
 from celery_sched.models import (
+    DUE_FLOOR,
     DUE_LIMIT,
     EMPTY_OPTIONS,
     MAX_INT32,
@@ -258,6 +259,12 @@ class JobBuilder:
             raise InvalidTime(
                 f"due time {due_at.isoformat()} is too late: the store holds due times "
                 f"before {DUE_LIMIT.isoformat()} (minutes since 1970 in a 32-bit integer)"
+            )
+        if due_at < DUE_FLOOR:
+            raise InvalidTime(
+                f"due time {due_at.isoformat()} is too early: due times before "
+                f"{DUE_FLOOR.isoformat()} are refused as mistakes (a past due time "
+                "runs at once: give now or a recent time)"
             )
 
         # A job without a key has its id as its key; so does a job whose key

@@ -10,7 +10,7 @@ importable from here.
 
 from __future__ import annotations
 
-from celery_sched.models.checks import DUE_LIMIT, MAX_INT32, MAX_SECONDS
+from celery_sched.models.checks import DUE_FLOOR, DUE_LIMIT, MAX_INT32, MAX_SECONDS
 from celery_sched.models.jobs import (
     DEFAULT_ACCEPT,
     EMPTY_OPTIONS,
@@ -89,6 +89,7 @@ from celery_sched.models.schedules import (
 __all__ = [
     "ADOPTABLE_STATUSES",
     "DEFAULT_ACCEPT",
+    "DUE_FLOOR",
     "DUE_LIMIT",
     "EMPTY_OPTIONS",
     "EPOCH_SALT_BITS",

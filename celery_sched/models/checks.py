@@ -12,6 +12,11 @@ from celery_sched.timeutil import EPOCH, UTC, ensure_utc
 #: due times are refused with ``InvalidTime``.
 DUE_LIMIT = EPOCH + dt.timedelta(minutes=2**31)
 
+#: The earliest due time a new job may have: an earlier one is a mistake (a
+#: typo in the year, a zero timestamp), refused with ``InvalidTime`` before
+#: it reaches the store (it would need a partition of its own).
+DUE_FLOOR = dt.datetime(2000, 1, 1, tzinfo=UTC)
+
 #: The largest span, in seconds, of any duration a job or schedule may give
 #: (interval, expires, catch-up window, visibility timeout, max_runtime, time
 #: limits): 1000 years. Longer ones are no use, and would overflow the

@@ -2,7 +2,7 @@
 
 Pure layout arithmetic, no I/O: the store and the leader's housekeeping ask it
 which partition holds a due time, and which coarse partitions must be split now
-that time has moved on. Not wired into the store yet (see NOTES.md, #17).
+that time has moved on.
 
 The layout:
 
@@ -30,6 +30,7 @@ an existing one fails, and the caller then uses the existing partition
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -57,8 +58,11 @@ class PartitionRange:
 
     @property
     def name(self) -> str:
-        """Table name, e.g. ``jobs_20261205_20261206``; sorts by time."""
-        return f"jobs_{self.lower:%Y%m%d}_{self.upper:%Y%m%d}"
+        """Table name, e.g. ``jobs_20261205_20261206``; sorts by time.
+
+        Fixed width (``%Y`` does not pad a year before 1000, and such a name
+        read back as another range)."""
+        return f"jobs_{_stamp(self.lower)}_{_stamp(self.upper)}"
 
     @property
     def grain(self) -> str:
@@ -71,6 +75,10 @@ class PartitionRange:
 
     def holds(self, due_at: datetime) -> bool:
         return self.lower <= due_at < self.upper
+
+
+def _stamp(at: datetime) -> str:
+    return f"{at.year:04d}{at.month:02d}{at.day:02d}"
 
 
 def _day(at: datetime) -> datetime:
@@ -180,12 +188,17 @@ def coarse_to_split(
     return sorted(out)
 
 
+_NAME = re.compile(r"jobs_(\d{4})(\d{2})(\d{2})_(\d{4})(\d{2})(\d{2})")
+
+
 def parse_name(name: str) -> PartitionRange:
-    """The range of a partition table named by :attr:`PartitionRange.name`."""
-    prefix, lower, upper = name.split("_")
-    if prefix != "jobs":
-        raise ValueError(f"not a jobs partition: {name!r}")
+    """The range of a partition table named by :attr:`PartitionRange.name`;
+    ValueError for any other name (exactly two dates of eight digits)."""
+    found = _NAME.fullmatch(name)
+    if found is None:
+        raise ValueError(f"not a jobs partition name: {name!r}")
+    y1, m1, d1, y2, m2, d2 = map(int, found.groups())
+    # datetime() refuses a date that does not exist (ValueError too).
     return PartitionRange(
-        lower=datetime.strptime(lower, "%Y%m%d").replace(tzinfo=UTC),
-        upper=datetime.strptime(upper, "%Y%m%d").replace(tzinfo=UTC),
+        lower=datetime(y1, m1, d1, tzinfo=UTC), upper=datetime(y2, m2, d2, tzinfo=UTC)
     )

@@ -4,22 +4,31 @@ migration of a table with rows in it, and the plans of statements by id."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import functools
+import logging
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from celery_sched.errors import DuplicateJob
+from celery_sched.client import Client
+from celery_sched.errors import DuplicateJob, InvalidTime
 from celery_sched.ids import UUID7Source
-from celery_sched.models import JobStatus
+from celery_sched.leader.planning import Planner
+from celery_sched.models import JobStatus, NewJobRow
 from celery_sched.settings import Settings
 from celery_sched.store.partitions import parse_name
-from celery_sched.store.postgres import PostgresJobStore
+from celery_sched.store.postgres import PostgresJobStore, bulk
 from tests.contract.conftest import new_job
+from tests.integration import cli_app
+from tests.integration.test_cli_schedules import sched
 
 pytestmark = pytest.mark.integration
 
@@ -371,3 +380,293 @@ def test_a_version_7_key_added_alone_waits_for_a_bulk_load_of_it_in_flight(
     adder.join(10.0)
     assert len(outcome) == 1 and isinstance(outcome[0], DuplicateJob), outcome
     assert store.counts_by_status() == {JobStatus.PENDING: 1}
+
+
+# -- issue #30: partitions that never stall -------------------------------------------
+
+
+def attach_by_hand(settings: Settings, name: str, lower: str, upper: str) -> None:
+    """A partition made outside celery_sched, named ``name``, for ``[lower, upper)``."""
+    schema = settings.db_schema
+    with raw(settings) as conn:
+        conn.execute(
+            f'CREATE TABLE "{schema}"."{name}" (LIKE "{schema}".jobs INCLUDING CONSTRAINTS)'
+        )
+        conn.execute(
+            f'ALTER TABLE "{schema}".jobs ATTACH PARTITION "{schema}"."{name}" '
+            f"FOR VALUES FROM ('{lower}') TO ('{upper}')"
+        )
+
+
+def test_a_due_time_before_2000_is_refused_by_the_api_and_the_import_and_writes_nothing(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Before: a job due in year 500 was written, and its partition's name
+    (unpadded year) broke every later write (#30, finding 2)."""
+    with Client(cli_app.app, settings=settings, staging=False) as client:
+        client.migrate()
+        early = dt.datetime(500, 10, 1, tzinfo=dt.UTC)
+        with pytest.raises(InvalidTime, match=r"too early.*2000-01-01T00:00:00\+00:00"):
+            client.schedule("cli_app.ping", eta=early)
+        with pytest.raises(InvalidTime, match="too early"):
+            client.schedule_many(
+                [
+                    {"task": "cli_app.ping", "key": "fine", "eta": early.replace(year=2030)},
+                    {"task": "cli_app.ping", "key": "late", "eta": "1999-12-31T23:59:59Z"},
+                ]
+            )
+        path = tmp_path / "jobs.csv"
+        path.write_text(
+            "task,key,due\n"
+            "cli_app.ping,a,0500-10-01T00:00:00Z\n"
+            "cli_app.ping,b,1999-12-31T23:59:59+00:00\n"
+        )
+        result = sched(
+            "import", str(path), schema=settings.db_schema, database_url=settings.database_url
+        )
+        assert result.returncode == 1, result.stderr
+        assert "Read 2 row(s): 0 valid, 0 written, 2 refused." in result.stdout
+        assert (
+            "line 2: InvalidTime: due time 0500-10-01T00:00:00+00:00 is too early" in result.stdout
+        )
+        assert (
+            "line 3: InvalidTime: due time 1999-12-31T23:59:59+00:00 is too early" in result.stdout
+        )
+        assert client.store.counts_by_status() == {}
+        # (The 2030 row's partition may stay, empty: it was committed apart.)
+        assert all(parse_name(name).lower.year >= 2000 for name in partitions(settings))
+        # The floor itself is a due time like any other.
+        assert client.schedule("cli_app.ping", eta="2000-01-01T00:00:00Z").due_at.year == 2000
+        assert "jobs_20000101_20010101" in partitions(settings)
+
+
+def test_a_stray_partition_is_logged_once_and_left_alone_and_nothing_stalls(
+    store: PostgresJobStore, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: the reader parsed every partition's name; one it could not
+    parse failed every write, planning and housekeeping, and one it misread
+    (year 500's unpadded name read as 5000-10-01 .. 5010-10-01) was taken
+    for another range (#30, finding 2)."""
+    now = store.now()
+    # What a job due in year 500 made before names were fixed width.
+    attach_by_hand(settings, "jobs_5000101_5010101", "0500-01-01 00:00+00", "0501-01-01 00:00+00")
+    # A name that is not a range at all, and a range that is not its name.
+    attach_by_hand(settings, "jobs_archive", "2001-01-01 00:00+00", "2002-01-01 00:00+00")
+    attach_by_hand(settings, "jobs_20400101_20410101", "2045-01-01 00:00+00", "2046-01-01 00:00+00")
+    strays = {"jobs_5000101_5010101", "jobs_archive", "jobs_20400101_20410101"}
+    with raw(settings) as conn:  # an old finished job in a stray, past any retention
+        conn.execute(
+            f'INSERT INTO "{settings.db_schema}".jobs (id, key, task, body, content_type, '
+            "content_encoding, due_at, due_bucket, status, finished_at) VALUES (%s, 'old', 't', "
+            "'\\x00', 'application/json', 'utf-8', '2001-06-01 00:00+00', 0, 'succeeded', "
+            "'2001-06-01 00:01+00')",
+            (uuid.uuid4(),),
+        )
+    caplog.set_level(logging.WARNING, logger="celery_sched.store.postgres.partitioning")
+    store.partitions.forget()
+
+    # Scheduling, one job and in bulk (which reads the list afresh), also
+    # into a stray's own range (its bounds count: nothing is created over them).
+    store.add_job(new_job("soon", now + DAY))
+    assert (
+        store.load_jobs(
+            [
+                new_job("bulk", now + 2 * DAY),
+                new_job("in-2045", dt.datetime(2045, 6, 1, tzinfo=dt.UTC)),
+            ]
+        )
+        == 2
+    )
+    assert partition_of(settings, "in-2045") == "jobs_20400101_20410101"
+    # Planning.
+    client = Client(cli_app.app, settings=settings, store=store, staging=False)
+    client.schedules.add("every5", "cli_app.ping", 5)
+    assert Planner(store, settings, app=cli_app.app).plan_pass().written
+    # Housekeeping: the days ahead are created, and no stray is dropped.
+    store.prepare_storage()
+    store.prune(older_than=7 * 86400, batch=100)
+    names = partitions(settings)
+    assert strays <= set(names)
+    for day in range(8):
+        assert any(parse_name(n).holds(now + day * DAY) for n in names if n not in strays)
+    # Each stray named once in the log, however often the list was read.
+    logged = [
+        r.getMessage() for r in caplog.records if "is not one celery_sched made" in r.getMessage()
+    ]
+    assert sorted(m.split()[2].split(".")[1] for m in logged) == sorted(strays), logged
+
+
+def make_store(settings: Settings, **changes: Any) -> PostgresJobStore:
+    store = PostgresJobStore(dataclasses.replace(settings, **changes))
+    store.migrate()
+    return store
+
+
+def run_threads(targets: list[Callable[[], object]], *, within: float) -> list[object]:
+    """Run each target in a thread of its own; each one's result or exception.
+    Fails unless all of them end within ``within`` seconds."""
+    results: list[object] = [None] * len(targets)
+    threads = []
+    for i, target in enumerate(targets):
+
+        def run(i: int = i, target: Callable[[], object] = target) -> None:
+            try:
+                results[i] = target()
+            except BaseException as exc:  # the test reads it
+                results[i] = exc
+
+        threads.append(threading.Thread(target=run, daemon=True))
+    deadline = time.monotonic() + within
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = sum(thread.is_alive() for thread in threads)
+    assert not stuck, f"{stuck} of {len(threads)} still running after {within}s: {results}"
+    return results
+
+
+def test_schedules_on_a_cold_partition_cache_never_wait_for_the_pool(settings: Settings) -> None:
+    """Before: add_job held a pooled connection and the cold cache's read
+    checked out a second one under a lock: with every connection held so,
+    all waited for the pool timeout (#30, finding 3)."""
+    setup = make_store(settings)
+    now = setup.now()
+    setup.close()
+    # A fresh store: its partition list is cold. Pool 4, timeout 30 s.
+    store = PostgresJobStore(dataclasses.replace(settings, pool_max_size=4, statement_timeout=30))
+    barrier = threading.Barrier(12)
+
+    def schedule(day: int) -> object:
+        barrier.wait()
+        return store.add_job(new_job(f"cold-{day}", now + (10 + day) * DAY))
+
+    try:
+        results = run_threads([functools.partial(schedule, d) for d in range(12)], within=15)
+        assert all(not isinstance(r, BaseException) for r in results), results
+        assert store.counts_by_status() == {JobStatus.PENDING: 12}
+    finally:
+        store.close()
+
+
+def test_a_bulk_load_in_flight_stalls_no_writer_that_needs_another_new_partition(
+    settings: Settings,
+) -> None:
+    """Before: the load created its partition in its own transaction and held
+    the partition lock until it committed: a schedule() needing another new
+    partition timed out, and so would the leader's create_ahead (#30, finding 5)."""
+    store = make_store(settings, statement_timeout=8)
+    other = make_store(settings, statement_timeout=8)  # another process, as it were
+    now = store.now()
+    started, release = threading.Event(), threading.Event()
+
+    def rows() -> Iterator[NewJobRow]:
+        yield new_job("bulk-0", now + 20 * DAY).as_row()  # its partition is created here
+        started.set()
+        release.wait(30)  # the load's transaction stays open meanwhile
+        yield new_job("bulk-1", now + 20 * DAY + HOUR).as_row()
+
+    loaded: list[object] = []
+    loader = threading.Thread(target=lambda: loaded.append(store.load_job_rows(rows())))
+    loader.start()
+    try:
+        assert started.wait(10)
+        # Each needs a partition of its own, on this store and on another.
+        for writer, day in ((store, 25), (other, 27)):
+            begun = time.monotonic()
+            writer.add_job(new_job(f"alone-{day}", now + day * DAY))
+            assert time.monotonic() - begun < 4
+        begun = time.monotonic()
+        other.prepare_storage()  # the leader's create_ahead: today and 7 days, all new
+        assert time.monotonic() - begun < 4
+    finally:
+        release.set()
+        loader.join(30)
+        store.close()
+        other.close()
+    assert loaded == [2]
+    check = make_store(settings)
+    try:
+        assert check.counts_by_status() == {JobStatus.PENDING: 4}
+    finally:
+        check.close()
+
+
+def test_a_callers_version_7_key_scheduled_alone_and_in_bulk_at_once_is_one_job(
+    settings: Settings,
+) -> None:
+    """Before: schedule_many COPYed the job row before its key's entry and
+    schedule() took the entry first: due the same time, they deadlocked and
+    the caller was told PostgreSQL was unavailable (#30, finding 10)."""
+    with Client(cli_app.app, settings=settings, staging=False) as client:
+        client.migrate()
+        now = client.store.now()
+        ids = UUID7Source()
+        # A wide window between the bulk's row and its key: the row first,
+        # then many others.
+        filler = [{"task": "cli_app.ping", "eta": now + DAY} for _ in range(2000)]
+        for round_ in range(15):
+            key = str(ids.next())
+            due = now + DAY + round_ * dt.timedelta(seconds=1)
+            barrier = threading.Barrier(2)
+
+            def single(
+                key: str = key, due: dt.datetime = due, barrier: Any = barrier, round_: int = round_
+            ) -> object:
+                barrier.wait()
+                # Into the bulk's window at one point or another.
+                time.sleep(round_ * 0.01)
+                return client.schedule("cli_app.ping", key=key, eta=due)
+
+            def bulk(key: str = key, due: dt.datetime = due, barrier: Any = barrier) -> object:
+                barrier.wait()
+                return client.schedule_many(
+                    [{"task": "cli_app.ping", "key": key, "eta": due}, *filler]
+                )
+
+            one, many = run_threads([single, bulk], within=30)
+            if isinstance(many, int):
+                assert many == 2001 and isinstance(one, DuplicateJob), (one, many)
+            else:
+                assert isinstance(many, DuplicateJob) and not isinstance(one, BaseException), (
+                    one,
+                    many,
+                )
+            job = client.get(key)
+            assert job is not None and str(job.id) == key
+            with raw(settings) as conn:
+                rows = conn.execute(
+                    f'SELECT count(*) FROM "{settings.db_schema}".jobs WHERE id = %s', (job.id,)
+                ).fetchone()
+            assert rows == (1,)
+
+
+def test_a_bulk_load_writes_caller_chosen_ids_after_their_keys_in_bounded_batches(
+    store: PostgresJobStore, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows whose id the caller chose are held back until their keys' entries
+    # are in; a segment ends once it holds HELD_ROWS of them (3 here).
+    monkeypatch.setattr(bulk, "HELD_ROWS", 3)
+    now = store.now()
+    ids = UUID7Source()
+    chosen: list[uuid.UUID] = []
+    rows: list[NewJobRow] = []
+    for i in range(8):
+        due = now + (1 + i % 3) * DAY  # new partitions mid-way, too
+        v4, v7 = uuid.uuid4(), ids.next()
+        chosen += [v4, v7]
+        rows.append((v4, None, *new_job("x", due).as_row()[2:]))  # a Celery task id
+        rows.append((v7, str(v7), *new_job("x", due).as_row()[2:]))  # a v7 key of the caller's
+        rows.append(new_job(f"plain-{i}", due).as_row())  # a key of the caller's
+        rows.append((ids.next(), None, *new_job("x", due).as_row()[2:]))  # generated
+    assert store.load_job_rows(iter(rows)) == len(rows)
+    assert store.counts_by_status() == {JobStatus.PENDING: len(rows)}
+    assert {str(job_id) for job_id in chosen} <= job_keys(settings)
+    # A chosen id taken already still fails the whole load.
+    again = [
+        new_job("y", now + DAY).as_row(),
+        (chosen[0], None, *new_job("z", now + DAY).as_row()[2:]),
+    ]
+    with pytest.raises(DuplicateJob):
+        store.load_job_rows(again)
+    assert store.counts_by_status() == {JobStatus.PENDING: len(rows)}

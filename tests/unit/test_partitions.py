@@ -107,3 +107,28 @@ def test_names_round_trip_and_bounds_must_be_utc() -> None:
         PartitionRange(lower=NOW, upper=NOW)
     with pytest.raises(ValueError):
         range_for(datetime(2027, 1, 1), NOW)  # a naive due time is refused
+
+
+@pytest.mark.parametrize("year", [500, 999, 2040])
+def test_names_are_fixed_width_and_read_back_as_their_range(year: int) -> None:
+    """Before: ``%Y`` left year 500 unpadded (``jobs_5000101_5010101``), which
+    read back as 5000-10-01 .. 5010-10-01 (#30, finding 2)."""
+    rng = range_for(datetime(year, 6, 1, tzinfo=UTC), NOW)
+    assert rng.name == f"jobs_{year:04d}0101_{year + 1:04d}0101"
+    assert parse_name(rng.name) == rng
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "jobs_5000101_5010101",  # an unpadded year
+        "jobs_archive",
+        "jobs_20260101_20260201_old",
+        "jobs_20261305_20261306",  # no 13th month
+        "jobs_2026010_20260201",
+        "jobs_+2026101_20260201",
+    ],
+)
+def test_a_name_that_is_not_exactly_a_range_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=r"not a jobs partition name|month must be"):
+        parse_name(name)

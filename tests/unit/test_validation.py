@@ -30,7 +30,14 @@ from celery_sched.errors import (
     UnknownTimezone,
 )
 from celery_sched.ids import UUID7Source
-from celery_sched.models import DUE_LIMIT, EMPTY_OPTIONS, MAX_SECONDS, NEW_JOB_ROW, NewJob
+from celery_sched.models import (
+    DUE_FLOOR,
+    DUE_LIMIT,
+    EMPTY_OPTIONS,
+    MAX_SECONDS,
+    NEW_JOB_ROW,
+    NewJob,
+)
 from celery_sched.protocol import MAX_KEY_LENGTH, RESERVED_HEADERS, base_headers, is_reserved_header
 from celery_sched.schedules import occurrence_key
 from celery_sched.settings import Settings
@@ -667,6 +674,30 @@ def test_a_countdown_past_the_bucket_range_is_refused(builder: JobBuilder) -> No
         build(builder, "tests.add", countdown=seconds)
     with pytest.raises(InvalidTime, match="too late"):
         builder.build_row({"task": "tests.add", "countdown": seconds}, fixed_now, ROW_FIELDS)
+
+
+@pytest.mark.parametrize(
+    "eta",
+    [
+        dt.datetime(500, 10, 1, tzinfo=UTC),
+        DUE_FLOOR - dt.timedelta(microseconds=1),
+        "1970-01-01T00:00:00Z",
+        dt.datetime(1999, 12, 31, 18, 59),  # naive: New York, a minute before the floor
+    ],
+)
+def test_a_due_time_before_2000_is_refused_on_both_paths(builder: JobBuilder, eta: Any) -> None:
+    """Before: accepted; year 500 made a partition whose name broke every
+    later write (#30, finding 2)."""
+    with pytest.raises(InvalidTime, match=r"too early: due times before 2000-01-01T00:00:00\+00"):
+        build(builder, "tests.add", eta=eta)
+    with pytest.raises(InvalidTime, match="too early"):
+        builder.build_row({"task": "tests.add", "eta": eta}, fixed_now, ROW_FIELDS)
+
+
+def test_the_due_floor_itself_is_accepted(builder: JobBuilder) -> None:
+    assert build(builder, "tests.add", eta=DUE_FLOOR).due_at == DUE_FLOOR
+    row = builder.build_row({"task": "tests.add", "eta": DUE_FLOOR}, fixed_now, ROW_FIELDS)
+    assert row[NEW_JOB_ROW.index("due_at")] == DUE_FLOOR
 
 
 def test_the_last_storable_due_time_is_accepted(builder: JobBuilder) -> None:

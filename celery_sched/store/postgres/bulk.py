@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: Bulk loads of at least this many rows refresh the table's statistics.
 ANALYZE_AFTER_ROWS = 10_000
+#: Rows of caller-chosen ids a segment holds back (in memory) at most: they
+#: are written after their keys' entries (see :meth:`_Load.run`).
+HELD_ROWS = 10_000
 #: One due time in every SAMPLE_MASK + 1 rows of a bulk load is kept, to
 #: know which partitions it wrote to (and ANALYZE them).
 SAMPLE_MASK = 1023
@@ -123,9 +126,12 @@ class JobCopy:
     routes a row to it, so each row's due time is checked against the
     contiguous spans of the known partitions (a comparison of two
     datetimes in the common case); a row no partition holds ends the COPY,
-    its partition (and the other days of its neighbourhood) is created in
-    the load's own transaction, and a new COPY goes on. Keys are collected
-    and COPYed after each segment. One transaction: all or nothing.
+    its partition (and the other days of its neighbourhood) is created and
+    committed apart (:meth:`Partitions.ensure`: the load holds no lock a
+    creator needs), and a new COPY goes on. Keys are collected and COPYed
+    after each segment; the rows whose id the caller chose are held back
+    and COPYed after their keys (the lock order of ``add_job``). One
+    transaction: all or nothing.
     """
 
     def __init__(self, database: Database, partitions: Partitions) -> None:
@@ -219,7 +225,7 @@ class _Load:
     def _read_spans(self) -> None:
         """The known ranges merged into contiguous spans."""
         spans: list[tuple[dt.datetime, dt.datetime]] = []
-        for rng in self._partitions.known():
+        for rng in self._partitions.held(self._conn):
             if spans and spans[-1][1] == rng.lower:
                 spans[-1] = (spans[-1][0], rng.upper)
             else:
@@ -239,6 +245,7 @@ class _Load:
         while True:
             keys: list[tuple[str, uuid.UUID]] = []
             chosen: list[uuid.UUID] = []
+            held: list[NewJobRow] = []
             low = high = None
             with cur.copy(self._copy.sql) as copy:
                 copy.set_types(self._copy.types)
@@ -254,19 +261,32 @@ class _Load:
                             pending = row  # its partition is missing: end this COPY
                             break
                         low, high = span
-                    write_row(row)
                     self.count += 1
                     if not self.count & SAMPLE_MASK:
                         self.sampled.append(due)
                     key, job_id = row[1], row[0]
                     entry = key_entry(key, job_id)
-                    if entry is not None:
-                        keys.append((entry, job_id))
-                    if key is not None and len(key) == _UUID_TEXT and key == str(job_id):
+                    if entry is None:
+                        write_row(row)
+                        continue
+                    keys.append((entry, job_id))
+                    if key is not None and (len(key) != _UUID_TEXT or key != str(job_id)):
+                        write_row(row)
+                        continue
+                    # Its id is the caller's (the key is the id's text): another
+                    # writer of this id (add_job, due the same time) takes the
+                    # entry before the row, so this row waits for its entry
+                    # too; the other order deadlocks on the two.
+                    held.append(row)
+                    if key is not None:
                         chosen.append(job_id)
-            self._finish_segment(cur, keys, chosen)
-            if pending is None:
+                    if len(held) >= HELD_ROWS:
+                        break
+            self._finish_segment(cur, keys, held, chosen)
+            if pending is None and len(held) < HELD_ROWS:
                 return
+            if pending is None:
+                continue
             due = pending[_DUE]
             self._partitions.ensure_span(self._conn, due, due, [due])
             self._read_spans()
@@ -274,7 +294,11 @@ class _Load:
                 raise MissingPartition(f"load_jobs: no partition holds due time {due.isoformat()}")
 
     def _finish_segment(
-        self, cur: psycopg.Cursor[Any], keys: list[tuple[str, uuid.UUID]], chosen: list[uuid.UUID]
+        self,
+        cur: psycopg.Cursor[Any],
+        keys: list[tuple[str, uuid.UUID]],
+        held: list[NewJobRow],
+        chosen: list[uuid.UUID],
     ) -> None:
         if keys:
             # A key taken before (or twice in the load) fails the load here.
@@ -283,6 +307,12 @@ class _Load:
                 write_row = copy.write_row
                 for pair in keys:
                     write_row(pair)
+        if held:
+            with cur.copy(self._copy.sql) as copy:
+                copy.set_types(self._copy.types)
+                write_row = copy.write_row
+                for row in held:
+                    write_row(row)
         # Ids a caller chose (a key that is a UUID's text): no other job,
         # due any day, may have them; a generated id takes no entry of its
         # own, so it is looked up in every partition.

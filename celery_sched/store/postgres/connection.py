@@ -48,6 +48,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
 
 from celery_sched.errors import (
     CelerySchedError,
@@ -242,6 +243,9 @@ class Database:
         self._pool: HotPool | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
+        self._apart_engine: Engine | None = None
+        #: One connection apart at a time (see :meth:`apart`).
+        self._apart_lock = threading.Lock()
         idle_ms = max(1000, round(settings.lease_ttl * 1000))
         self._session_settings = {
             "statement_timeout": str(round(settings.statement_timeout * 1000)),
@@ -349,6 +353,44 @@ class Database:
                 return fn(conn)
 
         return self.retry(attempt, what)
+
+    def apart(self, what: str, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in one transaction on a connection of its own, opened
+        for it and closed after, outside the pool; retried whole on transient
+        failures. One such connection at a time per database.
+
+        For a commit its caller must not wait on: the partitions an insert
+        needs are created this way while the caller holds a pooled
+        connection in its own transaction (a second pooled connection could
+        wait for the pool forever once every connection is held the same
+        way). Whoever holds this connection waits for no pooled one.
+        """
+        wait = max(self._settings.statement_timeout, 1.0)
+
+        def attempt() -> T:
+            if not self._apart_lock.acquire(timeout=wait):
+                raise StoreError(f"{what}: waited {wait}s for another {what} to finish")
+            try:
+                with self._apart().begin() as conn:
+                    return fn(conn)
+            finally:
+                self._apart_lock.release()
+
+        return self.retry(attempt, what)
+
+    def _apart(self) -> Engine:
+        if self._apart_engine is None:
+            # Rarely used (a day's first partition): not worth an idle
+            # connection per process.
+            engine = create_engine(
+                self._settings.sqlalchemy_url(),
+                poolclass=NullPool,
+                connect_args=self._connect_args(f"celery_sched[{self.schema}] ddl"),
+            )
+            if self._settings.pgbouncer:
+                event.listen(engine, "begin", self._set_local_settings)
+            self._apart_engine = engine
+        return self._apart_engine
 
     def rowcount(self, what: str, stmt: Any, params: dict[str, Any]) -> int:
         """Run ``stmt`` in its own transaction (retried); return the rows it changed."""

@@ -6,15 +6,23 @@ partition, so a row can only be written once a partition holds its due time.
 Every insert path (``add_job``, the COPY of ``load_jobs``, the planner's
 occurrences, a requeue by hand that moves a job to now) first asks
 :meth:`Partitions.ensure` for its due times; the answer comes from a cached
-list of the existing ranges, so the common case costs no query. What is
-missing is created in a transaction of its own (committed at once, so a
-long bulk load never holds the lock it takes), under an advisory lock that
-serializes creators across processes, as a plain table then attached:
-``ATTACH PARTITION`` takes only a SHARE UPDATE EXCLUSIVE lock on ``jobs``
-(claims and inserts go on), where ``CREATE TABLE ... PARTITION OF`` would
-take an ACCESS EXCLUSIVE one. The layout (which range holds a due time) is
-:mod:`celery_sched.store.partitions`; a due time that an existing coarser
-or finer partition already holds is left to it.
+list of the existing ranges (read, when cold, on the connection the caller
+already holds), so the common case costs no query. What is missing is
+created and committed in a transaction of its own on a connection apart
+(:meth:`~celery_sched.store.postgres.connection.Database.apart`), never in
+the caller's: a long bulk load holds no lock a creator needs, and a caller
+holding a pooled connection never waits for a second one. Creation runs
+under an advisory lock that serializes creators across processes, as a
+plain table then attached: ``ATTACH PARTITION`` takes only a SHARE UPDATE
+EXCLUSIVE lock on ``jobs`` (claims and inserts go on), where ``CREATE TABLE
+... PARTITION OF`` would take an ACCESS EXCLUSIVE one. A partition whose
+insert then rolls back stays, empty. The layout (which range holds a due
+time) is :mod:`celery_sched.store.partitions`; a due time that an existing
+coarser or finer partition already holds is left to it.
+
+A partition made by hand whose name is not its range's (or that has no
+range of due times) is logged once and left alone: its bounds still count
+as taken, so nothing is created over them, but it is never dropped.
 
 Retention (:meth:`Partitions.drop_finished`): a partition whose whole range
 is older than the retention and whose every row finished before it is
@@ -31,6 +39,7 @@ import datetime as dt
 import logging
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -40,6 +49,7 @@ from celery_sched.models import UNFINISHED_STATUSES
 from celery_sched.store.partitions import PartitionRange, parse_name, ranges_for
 from celery_sched.store.postgres.connection import Database
 from celery_sched.store.schema import JOBS_STORAGE
+from celery_sched.timeutil import UTC
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +103,43 @@ def name_indexes(conn: Connection, schema: str, partition: str) -> None:
             conn.exec_driver_sql(f'ALTER INDEX "{schema}"."{child}" RENAME TO "{wanted}"')
 
 
+#: Each attached partition of ``jobs`` with its bounds, when they are one
+#: range of due times (its ``FOR VALUES FROM (..) TO (..)`` read back as
+#: timestamps in SQL, so no date format is parsed here; a bound outside what
+#: Python holds, MINVALUE or DEFAULT gives NULLs).
+_PARTITIONS_SQL = r"""
+WITH attached AS (
+    SELECT c.relname,
+           regexp_match(pg_get_expr(c.relpartbound, c.oid),
+                        '^FOR VALUES FROM \(''([^'']*)''\) TO \(''([^'']*)''\)$') AS b
+    FROM pg_inherits i
+    JOIN pg_class c ON c.oid = i.inhrelid
+    JOIN pg_class p ON p.oid = i.inhparent
+    JOIN pg_namespace n ON n.oid = p.relnamespace
+    WHERE n.nspname = :schema AND p.relname = 'jobs'
+), bounds AS (
+    SELECT relname, CAST(b[1] AS timestamptz) AS lower, CAST(b[2] AS timestamptz) AS upper
+    FROM attached
+)
+SELECT relname,
+       CASE WHEN lower >= '0001-01-02' AND lower < '9999-12-31' THEN lower END,
+       CASE WHEN upper >= '0001-01-02' AND upper < '9999-12-31' THEN upper END
+FROM bounds
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class _Listing:
+    """What one read of the catalog found."""
+
+    #: celery_sched's partitions (named after their range), oldest first:
+    #: the ones it may analyze and drop.
+    own: list[PartitionRange]
+    #: The bounds of every partition with a range, strays included, oldest
+    #: first: the due times that have a partition already.
+    held: list[PartitionRange]
+
+
 class Partitions:
     """The ranges of one schema's ``jobs`` partitions, cached, and the DDL
     that creates and drops them."""
@@ -101,36 +148,80 @@ class Partitions:
         self._database = database
         self._schema = database.schema
         self._lock = threading.Lock()
-        #: Sorted existing ranges; ``None`` until first read.
-        self._known: list[PartitionRange] | None = None
+        #: The last listing; ``None`` until read (again).
+        self._listing: _Listing | None = None
+        #: Bumped whenever the listing is replaced or forgotten, so that a
+        #: read begun before a change does not put the older list back.
+        self._generation = 0
+        #: Stray partitions already logged (once per name is enough).
+        self._logged: set[str] = set()
 
     # -- what exists --------------------------------------------------------
 
     def read(self, conn: Connection) -> list[PartitionRange]:
-        """The ranges of the partitions attached to ``jobs``, oldest first."""
-        rows = conn.execute(
-            text(
-                "SELECT c.relname FROM pg_inherits i "
-                "JOIN pg_class c ON c.oid = i.inhrelid "
-                "JOIN pg_class p ON p.oid = i.inhparent "
-                "JOIN pg_namespace n ON n.oid = p.relnamespace "
-                "WHERE n.nspname = :schema AND p.relname = 'jobs'"
-            ),
-            {"schema": self._schema},
-        ).scalars()
-        return sorted(parse_name(name) for name in rows)
+        """The ranges of celery_sched's partitions attached to ``jobs``,
+        oldest first (strays are logged and left out)."""
+        return self._read(conn).own
 
-    def known(self) -> list[PartitionRange]:
-        """The cached ranges (read from the catalog the first time)."""
+    def _read(self, conn: Connection) -> _Listing:
+        own: list[PartitionRange] = []
+        held: list[PartitionRange] = []
+        rows = conn.execute(text(_PARTITIONS_SQL), {"schema": self._schema}).all()
+        for name, lower, upper in rows:
+            bounds = None
+            if lower is not None and upper is not None and lower < upper:
+                bounds = PartitionRange(lower=lower.astimezone(UTC), upper=upper.astimezone(UTC))
+                held.append(bounds)
+            try:
+                named = parse_name(name)
+            except ValueError:
+                named = None
+            if named is not None and named == bounds:
+                own.append(named)
+            elif name not in self._logged:
+                self._logged.add(name)
+                logger.warning(
+                    "jobs partition %s.%s is not one celery_sched made (its name is not the "
+                    "range %s of its bounds): left alone, never dropped",
+                    self._schema,
+                    name,
+                    "(none)" if bounds is None else f"{bounds.lower} .. {bounds.upper}",
+                )
+        return _Listing(own=sorted(own), held=sorted(held))
+
+    def _current(self, conn: Connection | None) -> _Listing:
+        listing = self._listing
+        if listing is not None:
+            return listing
         with self._lock:
-            if self._known is None:
-                self._known = self._database.transaction("partitions", self.read)
-            return list(self._known)
+            generation = self._generation
+        # Read without holding the lock, on the caller's connection when it
+        # has one: never a second connection for a caller holding one.
+        if conn is not None:
+            listing = self._read(conn)
+        else:
+            listing = self._database.transaction("partitions", self._read)
+        with self._lock:
+            if self._generation == generation:
+                self._listing = listing
+        return listing
+
+    def known(self, conn: Connection | None = None) -> list[PartitionRange]:
+        """celery_sched's partitions, cached (read the first time, on
+        ``conn`` when given)."""
+        return list(self._current(conn).own)
+
+    def held(self, conn: Connection | None = None) -> list[PartitionRange]:
+        """The bounds of every partition, strays included, cached: the due
+        times a row can be written with (read the first time, on ``conn``
+        when given)."""
+        return list(self._current(conn).held)
 
     def forget(self) -> None:
         """Read the catalog again next time (after a failed write)."""
         with self._lock:
-            self._known = None
+            self._generation += 1
+            self._listing = None
 
     @staticmethod
     def covers(ranges: Sequence[PartitionRange], low: dt.datetime, high: dt.datetime) -> bool:
@@ -147,22 +238,23 @@ class Partitions:
 
     # -- creating -----------------------------------------------------------
 
-    def ensure(self, conn: Connection, due_times: Iterable[dt.datetime]) -> None:
-        """Make sure a partition holds each of ``due_times``, creating what
-        is missing in ``conn``'s transaction (so the caller's next statement
-        sees it; it stays only if that transaction commits). For a few
-        times: a bulk batch goes through :meth:`ensure_span`."""
+    def ensure(self, conn: Connection | None, due_times: Iterable[dt.datetime]) -> None:
+        """Make sure a partition holds each of ``due_times``, creating and
+        committing what is missing apart from ``conn`` (the caller's
+        connection, if it holds one: the list is read on it), so the
+        caller's next statement sees it. For a few times: a bulk batch goes
+        through :meth:`ensure_span`."""
         times = list(due_times)
         if not times:
             return
-        known = self.known()
-        missing = [at for at in times if not self.covers(known, at, at)]
+        held = self.held(conn)
+        missing = [at for at in times if not self.covers(held, at, at)]
         if missing:
-            self._create_for(conn, missing)
+            self._create_for(missing)
 
     def ensure_span(
         self,
-        conn: Connection,
+        conn: Connection | None,
         low: dt.datetime,
         high: dt.datetime,
         due_times: Iterable[dt.datetime],
@@ -171,7 +263,7 @@ class Partitions:
         free when the cached ranges hold that whole span. Otherwise each day
         of the span is made sure of (a few, whatever the batch's size), or,
         for a span longer than :data:`SPAN_DAYS`, each day a row is due."""
-        if self.covers(self.known(), low, high):
+        if self.covers(self.held(conn), low, high):
             return
         first = _day_start(low)
         days = (high - first).days + 1
@@ -180,31 +272,43 @@ class Partitions:
         else:
             self.ensure(conn, [_day_start(at) for at in {at.date() for at in due_times}])
 
-    def _create_for(self, conn: Connection, due_times: Sequence[dt.datetime]) -> None:
-        self._serialize(conn)
-        existing = self.read(conn)
-        now = conn.execute(text("SELECT now()")).scalar_one()
+    def _create_for(self, due_times: Sequence[dt.datetime]) -> None:
         try:
-            for rng in ranges_for(due_times, now):
-                if not any(old.lower < rng.upper and rng.lower < old.upper for old in existing):
-                    self._attach(conn, rng)
-                    existing = sorted([*existing, rng])
-                    continue
-                # Another process made a coarser or finer range meanwhile:
-                # fill only the days that still have no partition.
-                for at in due_times:
-                    if rng.holds(at) and not self.covers(existing, at, at):
-                        lower = dt.datetime.combine(at.astimezone(dt.UTC).date(), dt.time(), dt.UTC)
-                        day = PartitionRange(lower=lower, upper=lower + dt.timedelta(days=1))
-                        self._attach(conn, day)
-                        existing = sorted([*existing, day])
+            listing = self._database.apart(
+                "create_partitions", lambda conn: self._create(conn, due_times)
+            )
         except BaseException:
             self.forget()
             raise
-        # Optimistic: should the caller's transaction roll back, an insert
-        # meets a missing partition, forgets and tries again (MissingPartition).
+        # Committed: the listing is what the catalog holds now.
         with self._lock:
-            self._known = existing
+            self._generation += 1
+            self._listing = listing
+
+    def _create(self, conn: Connection, due_times: Sequence[dt.datetime]) -> _Listing:
+        self._serialize(conn)
+        found = self._read(conn)
+        own, held = list(found.own), list(found.held)
+        now = conn.execute(text("SELECT now()")).scalar_one()
+
+        def attach(rng: PartitionRange) -> None:
+            self._attach(conn, rng)
+            own.append(rng)
+            held.append(rng)
+            own.sort()
+            held.sort()
+
+        for rng in ranges_for(due_times, now):
+            if not any(old.lower < rng.upper and rng.lower < old.upper for old in held):
+                attach(rng)
+                continue
+            # Another process made a coarser or finer range meanwhile:
+            # fill only the days that still have no partition.
+            for at in due_times:
+                if rng.holds(at) and not self.covers(held, at, at):
+                    lower = _day_start(at)
+                    attach(PartitionRange(lower=lower, upper=lower + dt.timedelta(days=1)))
+        return _Listing(own=own, held=held)
 
     def _serialize(self, conn: Connection) -> None:
         conn.execute(
@@ -229,12 +333,9 @@ class Partitions:
     def create_ahead(self, now: dt.datetime, days: int = AHEAD_DAYS) -> None:
         """Today's and the next ``days`` days' partitions (the leader's
         housekeeping), so that the day's first inserts never wait for DDL."""
-        start = dt.datetime.combine(now.astimezone(dt.UTC).date(), dt.time(), dt.UTC)
+        start = _day_start(now)
         days_ahead = [start + dt.timedelta(days=i) for i in range(days + 1)]
-        if not self.covers(self.known(), days_ahead[0], days_ahead[-1]):
-            self._database.transaction(
-                "create_partitions", lambda conn: self.ensure(conn, days_ahead)
-            )
+        self.ensure(None, days_ahead)
 
     # -- retention ----------------------------------------------------------
 
