@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from celery_sched.interfaces import JobStore
-from celery_sched.models import JobStatus
+from celery_sched.models import DueSpan, JobStatus
 from tests.contract.conftest import new_job
 
 SECOND = dt.timedelta(seconds=1)
@@ -113,7 +113,7 @@ def test_in_flight_rows_move_too_and_a_dry_run_moves_nothing(store: JobStore) ->
     assert len(done.moved) == 2
     # The old leader's fenced transitions still apply to the row it claimed
     # (they go by id and epoch); the new shard's reconciler owns it now.
-    assert store.release([claimed.id], epoch=epoch) == 1
+    assert store.release([claimed.id], epoch=epoch, due=DueSpan.of([claimed.due_at])) == 1
     new_epoch = store.acquire_epoch(0, "new fleet")
     assert [job.key for job in store.claim_due(shard=0, epoch=new_epoch, limit=5)] == ["flying"]
 
