@@ -7,7 +7,11 @@ violation naming the job and its rows):
 
 - ``lost``: a job the stream or a client scheduled has no row, or its row is
   finished (``succeeded``, or ``sent`` with untracked workers) and no
-  execution of it started.
+  execution of it started. With untracked workers, a ``sent`` job published
+  at most :data:`BROKER_HOLD` seconds before a fault that empties the broker
+  (:data:`BROKER_LOSSES`) and never started is counted in the figure
+  ``lost_to_broker`` instead: past the broker, untracked workers get
+  at-most-once delivery, as under stock beat (README, Guarantees).
 - ``stuck``: a job (one-off, or a periodic occurrence due before the stream
   stopped) is still ``pending``, ``dispatched``, ``running`` or ``retrying``.
 - ``not_succeeded``: such a job finished otherwise (``failed``, ``dead``,
@@ -49,6 +53,13 @@ import psycopg
 from tests.soak.spec import EFFECT_TASKS, PLAIN_TASKS
 
 UNFINISHED = ("pending", "dispatched", "running", "retrying")
+#: Faults that empty the broker (Redis without persistence): the messages
+#: waiting in it are gone, and only a tracked worker's silence gets them sent
+#: again.
+BROKER_LOSSES = ("broker_restart", "broker_queue_delete")
+#: How long before such a fault a published message may still have been
+#: waiting in the broker (bursts queue up behind 2 workers of 2 processes).
+BROKER_HOLD = 60.0
 #: Violations printed in full in the JSON line; the counts cover them all.
 MAX_LISTED = 40
 
@@ -103,6 +114,8 @@ class JobRow:
     last_error: str | None
     worker: str | None
     worker_pid: int | None
+    #: When it was last claimed (epoch seconds), if it was.
+    dispatched: float | None = None
 
     def shown(self) -> dict[str, Any]:
         return {
@@ -149,7 +162,8 @@ def check(
             for r in conn.execute(
                 "SELECT j.id::text, coalesce(j.key, j.id::text), j.task, j.status, j.attempt, "
                 "extract(epoch FROM j.due_at)::float8, s.name, j.last_error, j.worker, "
-                f'j.worker_pid FROM "{schema}".jobs j '
+                "j.worker_pid, extract(epoch FROM j.dispatched_at)::float8 "
+                f'FROM "{schema}".jobs j '
                 f'LEFT JOIN "{schema}".schedules s ON s.id = j.schedule_id'
             ).fetchall()
         ]
@@ -215,12 +229,26 @@ def check(
     checked.extend(occurrences)
 
     finished = ("succeeded",) if manifest.tracked else ("sent", "succeeded")
+    losses = [f for f in manifest.faults if f.kind in BROKER_LOSSES]
+
+    def lost_in_broker(job: JobRow) -> bool:
+        when = job.dispatched
+        return (
+            not manifest.tracked
+            and job.status == "sent"
+            and when is not None
+            and any(f.start - BROKER_HOLD <= when <= f.end for f in losses)
+        )
+
+    lost_to_broker = 0
     for job in checked:
         ran = bool(runs_by_job.get(job.id))
         if job.status in UNFINISHED:
             violation("stuck", job.key, job)
         elif job.status not in finished:
             violation("not_succeeded", job.key, job)
+        elif not ran and lost_in_broker(job):
+            lost_to_broker += 1
         elif not ran:
             violation("lost", job.key, job, why=f"row {job.status}, no execution started")
         if job.task in EFFECT_TASKS and effects.get(job.key, 0) != 1:
@@ -307,6 +335,7 @@ def check(
         "statuses": dict(sorted(statuses.items())),
         "runs": len(runs),
         "effects": sum(effects.values()),
+        "lost_to_broker": lost_to_broker,
         "duplicate_plain_runs": duplicate_plain,
         "duplicate_task_starts": duplicate_task_starts,
         "lag_outside_faults_s": _percentiles(lags_quiet),

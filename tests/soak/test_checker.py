@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +12,7 @@ from celery import Celery
 
 from celery_sched.client import Client
 from celery_sched.settings import Settings
-from tests.soak.checker import Manifest, check
+from tests.soak.checker import FaultWindow, Manifest, check
 from tests.soak.spec import TABLES
 
 pytestmark = pytest.mark.integration
@@ -52,9 +53,10 @@ def _ran(settings: Settings, job_id: str, key: str) -> None:
 
 
 def _check(settings: Settings, **manifest: Any) -> dict[str, Any]:
+    given: dict[str, Any] = {"stream_start": 0.0, "stream_end": 0.0, "faults": []}
     return check(
         settings.libpq_conninfo(),
-        Manifest(stream_start=0.0, stream_end=0.0, faults=[], schedule_failures=[], **manifest),
+        Manifest(schedule_failures=[], **(given | manifest)),
         schema=settings.db_schema,
         evidence=settings.db_schema,
     )
@@ -74,6 +76,34 @@ def test_an_untracked_job_that_ends_sent_without_running_is_lost(
     )
     assert report["violation_counts"] == {"lost": 1}, report["violations"]
     assert report["violations"][0]["job"] == "never-ran"
+
+
+def test_an_untracked_job_lost_with_the_broker_is_a_figure_not_a_violation(
+    client: Client, settings: Settings
+) -> None:
+    # Past the broker, untracked workers get at-most-once delivery: a message
+    # waiting in a broker that restarts empty is gone, as under stock beat.
+    # Only a job published before such a fault is excused.
+    in_broker, elsewhere = _schedule(client, "in-broker"), _schedule(client, "elsewhere")
+    _finish(settings, "sent", [in_broker, elsewhere])
+    now = time.time()
+    restart = FaultWindow(kind="broker_restart", start=now + 5, end=now + 7, grace=5.0)
+    kill = FaultWindow(kind="worker_kill", start=now + 5, end=now + 7, grace=5.0)
+    report = _check(
+        settings,
+        jobs={"in-broker": "soak.plain"},
+        periodic={},
+        tracked=False,
+        faults=[restart],
+    )
+    assert report["violation_counts"] == {} and report["lost_to_broker"] == 1
+    report = _check(
+        settings, jobs={"elsewhere": "soak.plain"}, periodic={}, tracked=False, faults=[kill]
+    )
+    assert report["violation_counts"] == {"lost": 1} and report["lost_to_broker"] == 0
+    # Tracked workers get such a job sent again: never excused.
+    report = _check(settings, jobs={"in-broker": "soak.plain"}, periodic={}, faults=[restart])
+    assert report["violation_counts"] == {"not_succeeded": 1}
 
 
 def test_a_tracked_job_ends_succeeded_and_a_sent_one_is_not_finished_right(
