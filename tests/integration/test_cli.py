@@ -208,9 +208,12 @@ def test_schedules_of_a_pickle_app_are_listed_and_refused_where_not_accepted(
     )
     assert result.returncode == 0, result.stderr
     assert "rich" in result.stdout and "interval" in result.stdout
-    # The same rows for an app that accepts JSON only: refused, never unpickled.
+    # The same rows for an app that accepts JSON only: never unpickled, and
+    # since #30 (finding 9) listed as broken with the reason instead of
+    # failing the whole listing.
     result = run_sched("schedules", schema=pg_schema, database_url=pg_url)
-    assert result.returncode != 0
-    assert "UntrustedContent" in result.stderr
-    assert "application/x-python-serialize" in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "broken" in result.stdout
+    assert "application/x-python-serialize" in result.stdout
+    assert "accept_content" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
