@@ -265,7 +265,9 @@ def test_fenced_deliveries_are_acknowledged_without_running_or_moving_the_row(
     env.ledger.jobs = env.store
     requeued = env.dispatched("requeued", visibility_timeout=5)
     env.clock.advance(10)
-    env.store.reconcile(shard=0, epoch=1, limit=10, default_visibility_timeout=300)
+    env.store.reconcile(
+        shard=0, epoch=env.store.current_epoch(0), limit=10, default_visibility_timeout=300
+    )
     job = env.store.get_by_id(requeued)
     assert job is not None and (job.status, job.attempt) == (JobStatus.PENDING, 1)
     # The requeue's copy (attempt 1) started; the first copy arrives late.
@@ -310,7 +312,9 @@ def test_a_late_copy_of_a_requeued_job_nobody_started_runs_once_as_its_next_atte
     env.ledger.jobs = env.store
     requeued = env.dispatched("slow", visibility_timeout=5)
     env.clock.advance(10)
-    env.store.reconcile(shard=0, epoch=1, limit=10, default_visibility_timeout=300)
+    env.store.reconcile(
+        shard=0, epoch=env.store.current_epoch(0), limit=10, default_visibility_timeout=300
+    )
     first = env.deliver("t.charge", requeued, "slow", 7, celery_sched_attempt=0)
     assert first.get() == {"charged": 7}
     tracking.flush_all()
