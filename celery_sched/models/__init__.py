@@ -30,7 +30,13 @@ from celery_sched.models.jobs import (
     jobs_from_rows,
     sendable,
 )
-from celery_sched.models.leases import EPOCH_SALT_BITS, Lease, election_count, next_epoch
+from celery_sched.models.leases import (
+    EPOCH_SALT_BITS,
+    EPOCH_SALT_MASK,
+    Lease,
+    election_count,
+    next_epoch,
+)
 from celery_sched.models.ledger import (
     ADOPTABLE_STATUSES,
     FENCED_STATUSES,
@@ -93,6 +99,7 @@ __all__ = [
     "DUE_LIMIT",
     "EMPTY_OPTIONS",
     "EPOCH_SALT_BITS",
+    "EPOCH_SALT_MASK",
     "FENCED_STATUSES",
     "FINISHED_STATUSES",
     "JOB_FIELDS",

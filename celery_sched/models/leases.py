@@ -22,7 +22,8 @@ class Lease:
 
 #: The low bits of an epoch, drawn at random at each election.
 EPOCH_SALT_BITS = 24
-_SALT_MASK = (1 << EPOCH_SALT_BITS) - 1
+#: The salt part of an epoch.
+EPOCH_SALT_MASK = (1 << EPOCH_SALT_BITS) - 1
 
 
 def next_epoch(previous: int, salt: int) -> int:
@@ -36,7 +37,7 @@ def next_epoch(previous: int, salt: int) -> int:
     holds it. With random low bits the two differ (but for a chance of one
     in 2**24 per such failover), and epochs still only grow.
     """
-    return (((previous >> EPOCH_SALT_BITS) + 1) << EPOCH_SALT_BITS) | (salt & _SALT_MASK)
+    return (((previous >> EPOCH_SALT_BITS) + 1) << EPOCH_SALT_BITS) | (salt & EPOCH_SALT_MASK)
 
 
 def election_count(epoch: int) -> int:

@@ -25,6 +25,7 @@ from celery_sched.ids import new_claim_id, new_epoch_salt
 from celery_sched.interfaces import Jobs
 from celery_sched.models import (
     EPOCH_SALT_BITS,
+    EPOCH_SALT_MASK,
     SENT_DUE_MARGIN,
     DueSpan,
     Job,
@@ -427,7 +428,7 @@ class PostgresJobs(PostgresStoreBase, Jobs):
                 {
                     "p_shard": shard,
                     "p_holder": holder,
-                    "p_salt": new_epoch_salt() & ((1 << EPOCH_SALT_BITS) - 1),
+                    "p_salt": new_epoch_salt() & EPOCH_SALT_MASK,
                 },
             ).scalar_one(),
         )
