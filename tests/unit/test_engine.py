@@ -910,3 +910,36 @@ def test_a_leader_retires_the_legacy_staging_set_once_per_term_once_the_fleet_is
     rig.run(engine, 3)
     assert engine.role == "leader"
     assert staging.drops == ([] if legacy_keys else [0, 0])
+
+
+def test_untracked_jobs_are_sent_once_but_again_when_their_publication_was_not_recorded(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#30 (1): no worker tracks these tasks. A batch recorded as published
+    ends ``sent`` and is never sent again; one whose record failed (the
+    store went away right after the publish) is sent again: twice at worst,
+    never lost."""
+    # The rig's worker tracks every task: let its heartbeat go.
+    rig.clock.advance(1)
+    assert rig.store.prune_workers(older_than=0.5) == 1
+    dispatcher = MemoryDispatcher()
+    engine = leading_engine(rig, dispatcher)
+    recorded = [rig.add(-1) for _ in range(3)]
+    engine.step()
+    assert sorted(dispatcher.sent_ids()) == sorted(recorded)
+
+    def store_down(*_args: Any, **_kwargs: Any) -> None:
+        raise StoreUnavailable("the store went away")
+
+    unrecorded = [rig.add(-1) for _ in range(2)]
+    monkeypatch.setattr(rig.store, "record_published", store_down)
+    rig.run(engine, rig.settings.sweep_interval + 1)
+    assert sorted(dispatcher.sent_ids()[3:]) == sorted(unrecorded)
+    monkeypatch.undo()
+
+    rig.clock.advance(rig.settings.visibility_timeout + 1)
+    rig.run(engine, rig.settings.reconcile_interval + rig.settings.sweep_interval + 1)
+    assert sorted(dispatcher.sent_ids()[5:]) == sorted(unrecorded)
+    for job_id in recorded:
+        job = rig.store.get_by_id(job_id)
+        assert job is not None and job.status is JobStatus.SENT
