@@ -439,3 +439,69 @@ def emit(result: dict[str, Any]) -> None:
     """The benchmark's one JSON object, as the last line of stdout."""
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
+
+
+# -- CPU of the services, from /proc ---------------------------------------------------
+
+
+def proc_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, or None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_server_pid(url: str = REDIS_URL) -> int | None:
+    """The pid of the Redis server at ``url`` when it runs on this machine."""
+    client = redis.Redis.from_url(url)
+    try:
+        pid = int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+    return pid if proc_cpu(pid) is not None else None
+
+
+class ServiceCpu:
+    """CPU the services spend for one run: the PostgreSQL backends whose
+    ``application_name`` contains ``marker`` (celery_sched names its
+    connections after the schema) and the whole redis-server process.
+
+    :meth:`snapshot` reads them all; :meth:`since` gives the seconds used
+    since an earlier snapshot. A backend that appeared between the two counts
+    from zero, one that ended is lost (keep connections pooled across a
+    measured stretch). redis-server serves every client of the machine, so
+    its figure holds only while nothing else uses it much.
+    """
+
+    def __init__(self, conninfo: str, marker: str, redis_url: str = REDIS_URL) -> None:
+        self.conninfo = conninfo
+        self.marker = marker
+        self.redis_pid = redis_server_pid(redis_url)
+
+    def backends(self) -> list[int]:
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE strpos(application_name, %s) > 0",
+                (self.marker,),
+            ).fetchall()
+        return [int(row[0]) for row in rows]
+
+    def snapshot(self) -> dict[str, Any]:
+        pg = {pid: cpu for pid in self.backends() if (cpu := proc_cpu(pid)) is not None}
+        redis_cpu = None if self.redis_pid is None else proc_cpu(self.redis_pid)
+        return {"pg": pg, "redis": redis_cpu, "at": time.monotonic()}
+
+    def since(self, before: dict[str, Any]) -> dict[str, float | None]:
+        """``{"pg": seconds, "redis": seconds}`` used since ``before``."""
+        now = self.snapshot()
+        pg = sum(cpu - before["pg"].get(pid, 0.0) for pid, cpu in now["pg"].items())
+        redis_used = (
+            None
+            if now["redis"] is None or before["redis"] is None
+            else now["redis"] - before["redis"]
+        )
+        return {"pg": pg, "redis": redis_used}
