@@ -8,8 +8,12 @@ and Redis (no celery worker or beat process):
 - ``client_build``: ``Client.schedule_many``'s validation and row building,
   into a store whose ``load_job_rows`` only collects the rows;
 - ``copy``: the store's ``load_job_rows`` of those rows (the COPY);
-- ``claim``: ``claim_due`` in batches of ``batch_size`` by one loop (the
-  beat's sweep), plus ``record_published`` per batch after it is sent;
+- ``staging``: the leader's stager reading the jobs by due time
+  (``due_soon``) into the Redis staging set (``Staging.add``), and its
+  claimer popping them, ``batch_size`` ids at a time (``pop_due``);
+- ``claim``: ``claim_ids`` of each popped batch (a leader's claim in
+  steady state; the sweep's ``claim_due`` of overdue jobs is not timed),
+  plus ``record_published`` per batch after it is sent;
 - ``publish``: the beat's dispatcher (``backends.build_dispatcher``)
   ``publish`` of each claimed batch: envelopes and the Redis pipeline;
 - ``broker``: redis-server's side of a message: the same envelopes pushed
@@ -26,15 +30,15 @@ and Redis (no celery worker or beat process):
 
 Each stage prints its wall time per job in this process (the figure the
 table and the JSON's ``us_per_job`` give), this process's CPU (all threads),
-the CPU of the run's PostgreSQL backends (found by ``application_name``,
-read from /proc) and of redis-server (from /proc; it serves the whole
-machine, so its column holds only while nothing else is busy with it). /proc
-counts in clock ticks (10 ms): keep ``--jobs`` at 20,000 or more for the
-server columns. Not covered: Kombu consuming and Celery's request handling
-in a worker, the prefork pool, the client's Redis staging of jobs due soon
-(the client runs with ``staging=False``) and the leader's loop around its
-claims. The fence is measured where it runs today (one read per message);
-a fence that moves or batches its reads needs this stage changed with it.
+the CPU of the run's PostgreSQL backends (found by ``application_name``)
+and of redis-server (it serves the whole machine, so its column holds only
+while nothing else is busy with it), both from /proc (each thread's
+``schedstat``, in nanoseconds). Not covered: Kombu consuming and Celery's
+request handling in a worker, the prefork pool, the client's Redis staging
+of jobs due soon (the client runs with ``staging=False``), the sweep's
+``claim_due`` and the leader's loop around its claims. The fence is
+measured where it runs today (one read per message); a fence that moves or
+batches its reads needs this stage changed with it.
 
     .venv/bin/python benchmarks/cost.py [--jobs 20000] [--runs 1]
 
@@ -70,6 +74,7 @@ from _common import PG_URL, REDIS_URL, ServiceCpu, emit, load_avg  # noqa: E402
 from celery_sched import backends  # noqa: E402
 from celery_sched.client import Client  # noqa: E402
 from celery_sched.fence import DeliveryFence  # noqa: E402
+from celery_sched.leader.staging import STAGE_BATCHES, STAGE_LIMIT_MIN  # noqa: E402
 from celery_sched.models import ClaimOutcome, Job, JobStatus, WorkerUpdate  # noqa: E402
 from celery_sched.settings import Settings  # noqa: E402
 from celery_sched.tracking import StatusWriter  # noqa: E402
@@ -78,6 +83,7 @@ from tests.e2e.harness import delete_keys, drop_schema, unique_name  # noqa: E40
 STAGES = (
     "client_build",
     "copy",
+    "staging",
     "claim",
     "publish",
     "broker",
@@ -183,11 +189,19 @@ def measure(
     raw = redis.Redis.from_url(redis_url)
     dispatcher = backends.build_dispatcher(app, settings)
     ledger = backends.build_ledger(settings, store)
+    staging = backends.build_staging(settings)
     try:
         store.migrate()
-        due = store.now() - dt.timedelta(minutes=1)
+        due = store.now() - dt.timedelta(minutes=1, milliseconds=jobs)
+        # A millisecond apart, due a minute ago (the staging reads go by due time).
         rows = [
-            {"task": TASK, "args": [i, "x" * 16], "eta": due, "queue": queue} for i in range(jobs)
+            {
+                "task": TASK,
+                "args": [i, "x" * 16],
+                "eta": due + dt.timedelta(milliseconds=i),
+                "queue": queue,
+            }
+            for i in range(jobs)
         ]
         collector = _CollectingStore(store)
         # The client closes no store it was given.
@@ -205,11 +219,12 @@ def measure(
             conn.execute(f'VACUUM ANALYZE "{name}".jobs')
 
         epoch = store.acquire_epoch(0, "cost")
+        popped = _staging(meter, store, staging, settings, jobs, costs)
         claimed: list[list[Job]] = []
         claim_costs: list[StageCost] = []
         with meter.measure("claim", jobs, claim_costs):
-            while batch := store.claim_due(shard=0, epoch=epoch, limit=settings.batch_size):
-                claimed.append(batch)
+            for ids in popped:
+                claimed.append(store.claim_ids(ids, shard=0, epoch=epoch))
         delivered = [job for batch in claimed for job in batch]
         assert len(delivered) == jobs, len(delivered)
 
@@ -286,6 +301,38 @@ def _sum(name: str, parts: list[StageCost]) -> StageCost:
         total([p.pg_cpu for p in parts]),
         total([p.redis_cpu for p in parts]),
     )
+
+
+def _staging(
+    meter: _Meter,
+    store: Any,
+    staging: Any,
+    settings: Settings,
+    jobs: int,
+    out: list[StageCost],
+) -> list[list[Any]]:
+    """The leader's staging of every job (read from PostgreSQL by due time,
+    added to the Redis set) and its pops of due ids, a batch at a time;
+    returns the popped batches of ids."""
+    limit = max(settings.batch_size * STAGE_BATCHES, STAGE_LIMIT_MIN)
+    window = settings.staging_window
+    popped: list[list[Any]] = []
+    with meter.measure("staging", jobs, out):
+        after = None
+        staged = 0
+        while items := store.due_soon(shard=0, within=window, limit=limit, after=after):
+            staging.add(0, items)
+            staged += len(items)
+            after = items[-1][1]
+            if len(items) < limit:
+                break
+        now = store.now()
+        while ids := staging.pop_due(0, now, settings.batch_size):
+            popped.append(ids)
+    count = sum(len(ids) for ids in popped)
+    if staged != jobs or count != jobs:
+        raise RuntimeError(f"staged {staged} and popped {count} of {jobs} jobs")
+    return popped
 
 
 def _broker(
@@ -399,6 +446,10 @@ def main(argv: list[str] | None = None) -> None:
             "runs": ns.runs,
             "us_per_job": {stage: rows[stage]["us_per_job"] for stage in STAGES},
             "stages": rows,
+            "per_run_us_per_job": [
+                {stage: round(run[stage].per_job(run[stage].wall) or 0.0, 2) for stage in STAGES}
+                for run in runs
+            ],
             "total_us_per_job": round(sum(rows[s]["us_per_job"] or 0.0 for s in STAGES), 2),
             "raw_lpush_us_per_job": round(raw_lpush, 2),
             # The issue's dispatch ratio: publish rate / raw LPUSH rate.
