@@ -421,12 +421,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20_000, help="jobs through every stage")
     parser.add_argument("--runs", type=int, default=1, help="passes; figures are medians")
+    parser.add_argument("--pg-url", default=PG_URL, help="PostgreSQL (SQLAlchemy URL)")
+    parser.add_argument("--redis-url", default=REDIS_URL, help="Redis, also the broker")
     ns = parser.parse_args(argv)
     load_start = load_avg()
     started = time.perf_counter()
     runs: list[dict[str, StageCost]] = []
     for index in range(ns.runs):
-        runs.append(measure(ns.jobs))
+        runs.append(measure(ns.jobs, pg_url=ns.pg_url, redis_url=ns.redis_url))
         print(f"run {index + 1}: {time.perf_counter() - started:.1f}s", flush=True)
     rows = median_rows(runs)
     print(f"µs per job, {ns.jobs:,} jobs, median of {ns.runs} run(s)")

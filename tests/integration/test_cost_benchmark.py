@@ -67,7 +67,7 @@ def test_every_stage_has_a_positive_cost(cost: ModuleType, pg_url: str, redis_ur
 def test_the_table_and_the_json_name_every_stage(
     cost: ModuleType, pg_url: str, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cost.main(["--jobs", "200"])
+    cost.main(["--jobs", "200", "--pg-url", pg_url, "--redis-url", redis_url])
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
 
