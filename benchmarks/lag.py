@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as dt
+import re
 import shutil
 import subprocess
 import time
@@ -152,8 +153,9 @@ def finish_profile(
         frames = stack.split(";")
         samples += count
         own[frames[-1]] += count
-        for frame in set(frames):
-            under[frame] += count
+        # Under a function counts each sample once, whichever of its lines ran.
+        for function in {re.sub(r":\d+\)$", ")", frame) for frame in frames}:
+            under[function] += count
     if not samples:
         return None
 
