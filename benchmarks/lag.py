@@ -22,6 +22,10 @@ lag it prints CPU per streamed job, read from /proc over the stream: the beat
 process, the run's PostgreSQL backends (the beat's, by application name) and
 redis-server (shared by the machine). ``--profile`` samples the beat with
 ``py-spy`` (non-blocking) during the stream and prints its hottest frames.
+``--checkpoint`` checkpoints after the load, so that the load's own
+checkpoint does not run during the stream; ``--beat-env`` sets the beat's
+environment (``CELERY_SCHED_RECONCILE_INTERVAL=3600`` takes the 5-second
+reconciler pass out of the stream, to see which duty the lag comes from).
 The last line is one JSON object.
 """
 
