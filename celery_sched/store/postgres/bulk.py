@@ -307,8 +307,11 @@ class _Load:
                     held.append(row)
                     if len(held) >= HELD_ROWS:
                         break
+                # The entries' order (see _finish_segment), sorted while
+                # PostgreSQL still works through the rows in flight.
+                order = sorted(range(len(keys)), key=keys.__getitem__)
             self.count = count
-            self._finish_segment(cur, keys, ids, held, chosen)
+            self._finish_segment(cur, keys, ids, order, held, chosen)
             if pending is None and len(held) < HELD_ROWS:
                 return
             if pending is None:
@@ -324,6 +327,7 @@ class _Load:
         cur: psycopg.Cursor[Any],
         keys: list[str],
         ids: list[int],
+        order: list[int],
         held: list[NewJobRow],
         chosen: list[uuid.UUID],
     ) -> None:
@@ -338,7 +342,6 @@ class _Load:
             # backend CPU per key; in a whole 200k keyed load, no change
             # beyond the noise (the benchmark's keys come nearly in order),
             # for 0.08 us per key of sorting.
-            order = sorted(range(len(keys)), key=keys.__getitem__)
             # A cursor of its own: its uuid dumper takes the ids as integers.
             with cur.connection.cursor() as key_cur:
                 key_cur.adapters.register_dumper(None, _UuidIntDumper)
