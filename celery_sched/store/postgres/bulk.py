@@ -3,6 +3,30 @@
 COPY writes rows without a statement per row or per chunk, which is what
 ``load_jobs`` (millions of jobs) and the static sync (thousands of
 schedules) need; the rows come as tuples already in column order.
+
+Keyed loads (issue #31, target 5; ``benchmarks/bulk_schedule.py --jobs
+200000 --keys``). A load of 200k jobs is bound by its PostgreSQL backend,
+keyless or not: the client builds rows in 3.3 us of CPU per job while the
+backend stores them in 3.55 us (the ANALYZE after the load included), and
+the two overlap. A caller key adds backend work that nothing on the client
+can hide: its ``jobs_key_idx`` entry (0.95 us per job, measured as the
+difference with the index dropped) and its ``job_keys`` entry (about
+1.0 us: 0.15 for the heap, the rest for the unique index), 5.8 us in all,
+so keyed/keyless is about 0.6-0.65 on this machine. Measured and kept:
+entries kept as a key list and an integer id list (a pair or a UUID kept
+per key set off hundreds of garbage collection passes over the caller's
+input: client CPU 5.0 -> 3.8 us per keyed job) and COPYed in key order (the
+lock order of two loads sharing keys). Measured and not taken: INSERT ...
+SELECT FROM unnest(keys, ids), sorted or not, or from a staging table
+(1.25-1.6 us of backend CPU per key against 0.7-1.05 for COPY); ``COLLATE
+"C"`` or a uuid (hash of the key) instead of the key text in ``job_keys``
+(0.90-1.00 against 1.05 us: comparisons are not the cost);
+``deduplicate_items = off`` on ``jobs_key_idx`` (no change). Without
+``jobs_key_idx`` (reads by key through ``job_keys`` instead, a change of
+the read path and a migration) the ratio measured 0.72-0.75; 0.9 would need
+a key to cost the backend under 0.4 us, less than one B-tree entry, while
+keys unique across partitions need one in ``job_keys`` in the load's
+transaction.
 """
 
 from __future__ import annotations
