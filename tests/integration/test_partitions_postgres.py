@@ -643,6 +643,49 @@ def test_a_callers_version_7_key_scheduled_alone_and_in_bulk_at_once_is_one_job(
             assert rows == (1,)
 
 
+def test_two_bulk_loads_of_the_same_keys_in_opposite_orders_end_in_one_duplicate(
+    settings: Settings,
+) -> None:
+    """Each load takes its keys' entries in key order, whatever the caller's
+    order: the second load waits for the first and is told DuplicateJob.
+    Before: each took them in its caller's order, so two loads sharing keys
+    in opposite orders, taking them at once, deadlocked and one was told
+    PostgreSQL failed (a deadlock), not that its keys were taken."""
+    count = 5000
+    keys = [f"shared-{i:05d}" for i in range(count)]
+    with (
+        Client(cli_app.app, settings=settings, staging=False) as first,
+        Client(cli_app.app, settings=settings, staging=False) as second,
+    ):
+        first.migrate()
+        due = first.store.now() + DAY
+        for round_ in range(3):
+            barrier = threading.Barrier(2)
+            names = [f"{key}-{round_}" for key in keys]
+
+            def rows(names: list[str], barrier: threading.Barrier = barrier) -> Iterator[Any]:
+                for name in names:
+                    yield {"task": "cli_app.ping", "key": name, "eta": due}
+                # Both loads take their entries at once, once their jobs are in.
+                barrier.wait(10)
+
+            up, down = run_threads(
+                [
+                    lambda names=names, client=first: client.schedule_many(rows(names)),
+                    lambda names=names, client=second: client.schedule_many(rows(names[::-1])),
+                ],
+                within=30,
+            )
+            outcomes = sorted([up, down], key=lambda outcome: isinstance(outcome, int))
+            assert isinstance(outcomes[0], DuplicateJob) and outcomes[1] == count, outcomes
+        with raw(settings) as conn:
+            stored = conn.execute(
+                f'SELECT count(*), count(DISTINCT k.key) FROM "{settings.db_schema}".jobs j '
+                f'JOIN "{settings.db_schema}".job_keys k ON k.key = j.key AND k.job_id = j.id'
+            ).fetchone()
+        assert stored == (3 * count, 3 * count)
+
+
 def test_a_bulk_load_writes_caller_chosen_ids_after_their_keys_in_bounded_batches(
     store: PostgresJobStore, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

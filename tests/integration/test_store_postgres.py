@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import gc
 import logging
 import re
 import threading
@@ -405,6 +406,38 @@ def test_bulk_load_options_round_trip(store: PostgresJobStore) -> None:
     store.load_jobs([new_job("a", due, options={}), new_job("b", due, options=options)])
     assert store.get("a").options == {}  # type: ignore[union-attr]
     assert store.get("b").options == options  # type: ignore[union-attr]
+
+
+def test_a_keyed_bulk_load_keeps_nothing_per_key_that_sets_off_the_garbage_collector(
+    store: PostgresJobStore,
+) -> None:
+    """A keyed load keeps its keys' entries until its jobs are in. Before: as
+    (key, UUID) pairs, objects the garbage collector tracks, so a load of N
+    keyed jobs set off about N/700 collection passes over everything the
+    caller held (266 passes, a tenth of the time, for 200k jobs)."""
+    due = store.now() + dt.timedelta(hours=1)
+    template = new_job("template", due, options={}).as_row()
+    count = 20_000
+
+    def rows() -> Iterator[Any]:
+        # Each row and its id are made as the client's builder makes them.
+        for i in range(count):
+            yield (uuid.uuid4(), f"gc-{i}", *template[2:])
+
+    passes = [0]
+
+    def counted(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            passes[0] += 1
+
+    gc.collect()
+    gc.callbacks.append(counted)
+    try:
+        assert store.load_job_rows(rows()) == count
+    finally:
+        gc.callbacks.remove(counted)
+    assert passes[0] <= 5, passes  # 28 or more when each key kept an object
+    assert store.get("gc-0") is not None and store.get(f"gc-{count - 1}") is not None
 
 
 def test_a_claim_retried_after_an_ambiguous_commit_loses_no_row(

@@ -3,6 +3,30 @@
 COPY writes rows without a statement per row or per chunk, which is what
 ``load_jobs`` (millions of jobs) and the static sync (thousands of
 schedules) need; the rows come as tuples already in column order.
+
+Keyed loads (issue #31, target 5; ``benchmarks/bulk_schedule.py --jobs
+200000 --keys``). A load of 200k jobs is bound by its PostgreSQL backend,
+keyless or not: the client builds rows in 3.3 us of CPU per job while the
+backend stores them in 3.55 us (the ANALYZE after the load included), and
+the two overlap. A caller key adds backend work that nothing on the client
+can hide: its ``jobs_key_idx`` entry (0.95 us per job, measured as the
+difference with the index dropped) and its ``job_keys`` entry (about
+1.0 us: 0.15 for the heap, the rest for the unique index), 5.8 us in all,
+so keyed/keyless is about 0.6-0.65 on this machine. Measured and kept:
+entries kept as a key list and an integer id list (a pair or a UUID kept
+per key set off hundreds of garbage collection passes over the caller's
+input: client CPU 5.0 -> 3.8 us per keyed job) and COPYed in key order (the
+lock order of two loads sharing keys). Measured and not taken: INSERT ...
+SELECT FROM unnest(keys, ids), sorted or not, or from a staging table
+(1.25-1.6 us of backend CPU per key against 0.7-1.05 for COPY); ``COLLATE
+"C"`` or a uuid (hash of the key) instead of the key text in ``job_keys``
+(0.90-1.00 against 1.05 us: comparisons are not the cost);
+``deduplicate_items = off`` on ``jobs_key_idx`` (no change). Without
+``jobs_key_idx`` (reads by key through ``job_keys`` instead, a change of
+the read path and a migration) the ratio measured 0.72-0.75; 0.9 would need
+a key to cost the backend under 0.4 us, less than one B-tree entry, while
+keys unique across partitions need one in ``job_keys`` in the load's
+transaction.
 """
 
 from __future__ import annotations
@@ -26,7 +50,6 @@ from sqlalchemy.engine import Connection
 from celery_sched.errors import DuplicateJob, MissingPartition
 from celery_sched.models import NEW_JOB_ROW, NewJobRow
 from celery_sched.store.postgres.connection import Database, is_transient
-from celery_sched.store.postgres.keys import key_entry
 from celery_sched.store.postgres.partitioning import Partitions
 
 logger = logging.getLogger(__name__)
@@ -116,6 +139,18 @@ class _OptionsDumper(Dumper):
         return b"\x01" + json.dumps(dict(obj)).encode()
 
 
+class _UuidIntDumper(Dumper):
+    """Binary uuid from a UUID's integer (``UUID.int``): the key entries of a
+    bulk load keep their job ids as integers (see :meth:`_Load.run`)."""
+
+    format = pq.Format.BINARY
+    oid = psycopg.adapters.types["uuid"].oid
+
+    def dump(self, obj: Any) -> bytes:
+        result: bytes = obj.to_bytes(16, "big")
+        return result
+
+
 class JobCopy:
     """COPY of new job rows into one schema's ``jobs`` table, and of their
     keys into ``job_keys``.
@@ -142,6 +177,7 @@ class JobCopy:
         self.sql = copy_sql(f'"{schema}".jobs', COPY_COLUMNS)
         self.keys_sql = copy_sql(f'"{schema}".job_keys', KEY_COPY_COLUMNS)
         self.types = [kind for _, kind in COPY_COLUMNS]
+        self.key_types = [kind for _, kind in KEY_COPY_COLUMNS]
         self.twice_sql = (
             f'SELECT id FROM "{schema}".jobs WHERE id = ANY(%s) GROUP BY id HAVING count(*) > 1 '
             "LIMIT 1"
@@ -243,10 +279,19 @@ class _Load:
         self._read_spans()
         pending: NewJobRow | None = None
         while True:
-            keys: list[tuple[str, uuid.UUID]] = []
+            # Entries as two lists, the ids as integers: no object the
+            # garbage collector tracks is kept per key (a pair, or the row's
+            # UUID, would be), so a large load sets off no collection passes
+            # over the caller's input (measured: 266 of them, 0.1 s, in a
+            # keyed load of 200k jobs).
+            keys: list[str] = []
+            ids: list[int] = []
             chosen: list[uuid.UUID] = []
             held: list[NewJobRow] = []
             low = high = None
+            count = self.count
+            sampled = self.sampled
+            take_key, take_id = keys.append, ids.append
             with cur.copy(self._copy.sql) as copy:
                 copy.set_types(self._copy.types)
                 write_row = copy.write_row
@@ -261,28 +306,36 @@ class _Load:
                             pending = row  # its partition is missing: end this COPY
                             break
                         low, high = span
-                    self.count += 1
-                    if not self.count & SAMPLE_MASK:
-                        self.sampled.append(due)
-                    key, job_id = row[1], row[0]
-                    entry = key_entry(key, job_id)
-                    if entry is None:
-                        write_row(row)
-                        continue
-                    keys.append((entry, job_id))
-                    if key is not None and (len(key) != _UUID_TEXT or key != str(job_id)):
-                        write_row(row)
-                        continue
-                    # Its id is the caller's (the key is the id's text): another
-                    # writer of this id (add_job, due the same time) takes the
-                    # entry before the row, so this row waits for its entry
-                    # too; the other order deadlocks on the two.
-                    held.append(row)
+                    count += 1
+                    if not count & SAMPLE_MASK:
+                        sampled.append(due)
+                    # key_entry inlined (once per row on the bulk path).
+                    key = row[1]
                     if key is not None:
-                        chosen.append(job_id)
+                        if len(key) != _UUID_TEXT or key != str(row[0]):
+                            take_key(key)  # a caller's key: its own entry
+                            take_id(row[0].int)
+                            write_row(row)
+                            continue
+                        # Its id is the caller's (the key is the id's text).
+                        chosen.append(row[0])
+                    elif (row[0].int >> 76) & 0xF == 7:
+                        write_row(row)  # a generated id: no entry
+                        continue
+                    # Keyed by its id, chosen by the caller: another writer of
+                    # this id (add_job, due the same time) takes the entry
+                    # before the row, so this row waits for its entry too;
+                    # the other order deadlocks on the two.
+                    take_key(str(row[0]))
+                    take_id(row[0].int)
+                    held.append(row)
                     if len(held) >= HELD_ROWS:
                         break
-            self._finish_segment(cur, keys, held, chosen)
+                # The entries' order (see _finish_segment), sorted while
+                # PostgreSQL still works through the rows in flight.
+                order = sorted(range(len(keys)), key=keys.__getitem__)
+            self.count = count
+            self._finish_segment(cur, keys, ids, order, held, chosen)
             if pending is None and len(held) < HELD_ROWS:
                 return
             if pending is None:
@@ -296,17 +349,31 @@ class _Load:
     def _finish_segment(
         self,
         cur: psycopg.Cursor[Any],
-        keys: list[tuple[str, uuid.UUID]],
+        keys: list[str],
+        ids: list[int],
+        order: list[int],
         held: list[NewJobRow],
         chosen: list[uuid.UUID],
     ) -> None:
         if keys:
-            # A key taken before (or twice in the load) fails the load here.
-            with cur.copy(self._copy.keys_sql) as copy:
-                copy.set_types([kind for _, kind in KEY_COPY_COLUMNS])
-                write_row = copy.write_row
-                for pair in keys:
-                    write_row(pair)
+            # In key order, whatever the caller's: two loads sharing keys then
+            # take them in one order, so the second waits for the first and
+            # fails with DuplicateJob instead of deadlocking with it (within a
+            # segment; a load whose rows need new partitions has one segment
+            # per such stop). A key taken before, or twice in the load (then
+            # side by side here), fails the load on the unique index.
+            # Measured: into a fresh job_keys alone, 0.70 against 1.05 us of
+            # backend CPU per key; in a whole 200k keyed load, no change
+            # beyond the noise (the benchmark's keys come nearly in order),
+            # for 0.08 us per key of sorting.
+            # A cursor of its own: its uuid dumper takes the ids as integers.
+            with cur.connection.cursor() as key_cur:
+                key_cur.adapters.register_dumper(None, _UuidIntDumper)
+                with key_cur.copy(self._copy.keys_sql) as copy:
+                    copy.set_types(self._copy.key_types)
+                    write_row = copy.write_row
+                    for at in order:
+                        write_row((keys[at], ids[at]))
         if held:
             with cur.copy(self._copy.sql) as copy:
                 copy.set_types(self._copy.types)

@@ -26,8 +26,9 @@ Each insert path takes the entry first, in the job's transaction:
 ``add_job`` inserts it (a taken key is a unique violation on
 ``job_keys_pkey``: :class:`~celery_sched.errors.DuplicateJob`; with
 ``if_exists="return"`` ``ON CONFLICT DO NOTHING``, then the job holding it is
-read); ``load_jobs`` COPYs a segment's entries after its jobs (a taken key
-fails the load, as the unique index did), except the jobs whose id the
+read); ``load_jobs`` COPYs a segment's entries after its jobs, in key order (a
+taken key fails the load, as the unique index did; two loads sharing keys
+take them in one order, so they wait for each other, never deadlock), except the jobs whose id the
 caller chose, which it holds back and COPYs after their entries: two
 writers of one such id due the same time also meet on its row (the primary
 key), and in opposite orders they would deadlock; periodic occurrences take theirs
