@@ -41,6 +41,7 @@ from sqlalchemy.engine import Connection, Engine
 from celery_sched.errors import CelerySchedError, LedgerConflict
 from celery_sched.interfaces import Ledger
 from celery_sched.models import (
+    ADOPTABLE_STATUSES,
     ClaimOutcome,
     DeliveryCheck,
     LedgerClaim,
@@ -61,6 +62,8 @@ from celery_sched.timeutil import ensure_utc
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_ADOPTABLE = frozenset(status.value for status in ADOPTABLE_STATUSES)
 
 #: How often acquire re-tries its insert when the row it conflicted with
 #: disappears before it can be read (released by a failing holder meanwhile).
@@ -121,6 +124,8 @@ class PostgresLedger(Ledger):
         # and by the margin for a message without the due header.
         self._acquire = RawStatement(s.ledger_acquire)
         self._check_delivery = RawStatement(s.ledger_check_delivery)
+        self._delivery_job = RawStatement(s.delivery_job)
+        self._take = RawStatement(s.ledger_take)
         self._acquire_margin = RawStatement(s.by_margin.ledger_acquire)
         self._check_delivery_margin = RawStatement(s.by_margin.ledger_check_delivery)
         self._inspect = RawStatement(s.ledger_inspect)
@@ -184,13 +189,45 @@ class PostgresLedger(Ledger):
             claim = take(cur)
             return claim if adopted is None else dataclasses.replace(claim, adopted=adopted)
 
+        read = self._delivery_job
+        read_params = read.params(p_job_id=job_id, **_due_params(due_at))
+        quick = self._take
+        quick_params = quick.params(
+            p_key=key,
+            p_owner=owner,
+            p_lease=lease,
+            p_job_id=job_id,
+            p_take_completed=take_completed,
+        )
+
+        def fenced_by_read(cur: psycopg.Cursor[Any]) -> tuple[bool, str | None]:
+            """The fence by the plain read of the job row (see :meth:`check_delivery`):
+            (whether it decided, why the delivery is fenced)."""
+            if due_at is None or job_id is None or adopted is not None:
+                return False, None
+            found = cur.execute(read.sql, read_params, prepare=False).fetchone()
+            if found is None:
+                return False, None
+            status, job_attempt, _ = found
+            if attempt is not None and job_attempt > attempt and status in _ADOPTABLE:
+                return False, None  # the adopting statement decides
+            return True, delivery_fence(status, int(job_attempt), attempt)
+
         def take(cur: psycopg.Cursor[Any]) -> LedgerClaim:
             nonlocal adopted
             for _ in range(ACQUIRE_ROUNDS):
-                # Scalar subqueries only: always exactly one row.
-                answer: tuple[Any, ...] = (
-                    cur.execute(stmt.sql, params, prepare=prepare).fetchone() or ()
-                )
+                decided, reason = fenced_by_read(cur)
+                if reason is not None:
+                    return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=reason)
+                answer: Any
+                if decided:
+                    # The delivery passed the fence just now: take the key
+                    # by the statement on the ledger alone, prepared.
+                    row = cur.execute(quick.sql, quick_params).fetchone()
+                    answer = (None if row is None else row[0], None, None, None, None)
+                else:
+                    # Scalar subqueries only: always exactly one row.
+                    answer = cur.execute(stmt.sql, params, prepare=prepare).fetchone()
                 taken, job_status, job_attempt, adopted_now, _ = answer
                 if adopted_now is not None:
                     adopted = adopted_now
@@ -236,17 +273,29 @@ class PostgresLedger(Ledger):
         margin = self._check_delivery_margin
         by_margin = margin.params(p_job_id=job_id, p_attempt=attempt)
 
+        read = self._delivery_job
+        read_params = read.params(p_job_id=job_id, **_due_params(due_at))
+
         def check(cur: psycopg.Cursor[Any]) -> Any:
             if due_at is not None:
-                row = cur.execute(dated.sql, params, prepare=False).fetchone()
-                if row is None or row[0] is not None:
-                    return row
+                # The plain read first: only a row whose attempt is newer
+                # than the delivery's, still pending or dispatched, can be
+                # adopted, and only then is the adopting statement (about
+                # three times the planning) worth running.
+                found = cur.execute(read.sql, read_params, prepare=False).fetchone()
+                if found is not None:
+                    status, job_attempt, job_due = found
+                    if attempt is None or job_attempt <= attempt or status not in _ADOPTABLE:
+                        return (status, job_attempt, None, job_due)
+                    row = cur.execute(dated.sql, params, prepare=False).fetchone()
+                    if row is None or row[0] is not None:
+                        return row
             # No due header, or no row at that due time: a requeue by hand
             # made the job due again since this message was sent (rare; the
             # row is then looked for among the jobs due by tomorrow).
             return cur.execute(margin.sql, by_margin).fetchone()
 
-        # One try, no retry loop: the caller (a worker's consumer) must not
+        # One try, no retry loop: the caller (a task about to run) must not
         # stall while the database is away; it runs the delivery.
         row: Any = self._database.run_raw_once("delivery fence", check)
         status, job_attempt, adopted, job_due = row
