@@ -25,6 +25,7 @@ from celery_sched.models import JobStatus
 from celery_sched.protocol import ATTEMPT_HEADER, request_attempt
 from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
+from celery_sched.store.partitions import PartitionRange
 from celery_sched.store.postgres import PostgresJobStore, PostgresLedger
 from tests.contract.conftest import new_job
 
@@ -237,3 +238,22 @@ def test_the_setting_turns_the_fence_off(settings: Settings) -> None:
 
     signals.worker_init.send(sender=Mock(app=app))
     assert not fence.fenced_run(app.tasks["plain.run"])
+
+
+def test_the_fence_reads_a_partition_it_lists_and_falls_back_when_it_is_gone(
+    store: PostgresJobStore,
+) -> None:
+    ledger = PostgresLedger(store)
+    job = store.add_job(new_job("listed", store.now() - dt.timedelta(seconds=1)))
+    assert store.cancel("listed")
+    assert ledger.check_delivery(job.id, 0, due_at=job.due_at).reason == "the job is cancelled"
+    assert ledger._by_partition  # read by its partition, prepared
+    # A listing that names a partition dropped since (retention): the read
+    # falls back to the jobs table and gives the same verdict.
+    gone = PartitionRange(
+        lower=job.due_at - dt.timedelta(days=2), upper=job.due_at + dt.timedelta(days=2)
+    )
+    ledger._partitions = (time.monotonic(), [gone.lower], [gone])
+    assert gone.name not in ledger._by_partition
+    assert ledger.check_delivery(job.id, 0, due_at=job.due_at).reason == "the job is cancelled"
+    assert ledger._partitions[1] == []  # forgotten: read again next time

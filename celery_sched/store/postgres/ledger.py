@@ -24,10 +24,12 @@ each is atomic.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -49,12 +51,14 @@ from celery_sched.models import (
     LedgerState,
     delivery_fence,
 )
+from celery_sched.store.partitions import PartitionRange
 from celery_sched.store.postgres.base import PostgresStoreBase
 from celery_sched.store.postgres.connection import RawStatement, TransientDatabaseError
 from celery_sched.store.postgres.statements import (
     LEDGER_COMPLETED,
     LEDGER_RUNNING,
     Tables,
+    delivery_job_in,
     seconds_param,
 )
 from celery_sched.timeutil import ensure_utc
@@ -62,6 +66,10 @@ from celery_sched.timeutil import ensure_utc
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Seconds the fence's listing of partitions is trusted (see
+#: ``PostgresLedger._job_row``).
+PARTITIONS_TTL = 60.0
 
 _ADOPTABLE = frozenset(status.value for status in ADOPTABLE_STATUSES)
 
@@ -126,6 +134,9 @@ class PostgresLedger(Ledger):
         self._check_delivery = RawStatement(s.ledger_check_delivery)
         self._delivery_job = RawStatement(s.delivery_job)
         self._take = RawStatement(s.ledger_take)
+        # The fence's read by partition (see _job_row).
+        self._partitions: tuple[float, list[dt.datetime], list[PartitionRange]] = (0.0, [], [])
+        self._by_partition: dict[str, RawStatement] = {}
         self._acquire_margin = RawStatement(s.by_margin.ledger_acquire)
         self._check_delivery_margin = RawStatement(s.by_margin.ledger_check_delivery)
         self._inspect = RawStatement(s.ledger_inspect)
@@ -189,8 +200,6 @@ class PostgresLedger(Ledger):
             claim = take(cur)
             return claim if adopted is None else dataclasses.replace(claim, adopted=adopted)
 
-        read = self._delivery_job
-        read_params = read.params(p_job_id=job_id, **_due_params(due_at))
         quick = self._take
         quick_params = quick.params(
             p_key=key,
@@ -205,7 +214,7 @@ class PostgresLedger(Ledger):
             (whether it decided, why the delivery is fenced)."""
             if due_at is None or job_id is None or adopted is not None:
                 return False, None
-            found = cur.execute(read.sql, read_params, prepare=False).fetchone()
+            found = self._job_row(cur, job_id, due_at)
             if found is None:
                 return False, None
             status, job_attempt, _ = found
@@ -265,6 +274,49 @@ class PostgresLedger(Ledger):
 
         return self._database.run_raw("ledger acquire", once)
 
+    def _partition_of(self, due_at: dt.datetime) -> str | None:
+        """The name of the ``jobs`` partition holding ``due_at``, from the
+        store's cached listing (read again at most every
+        :data:`PARTITIONS_TTL` seconds, or every second while missing one)."""
+        now = time.monotonic()
+        read_at, lowers, ranges = self._partitions
+        at = bisect.bisect_right(lowers, due_at) - 1
+        if at >= 0 and ranges[at].holds(due_at) and now - read_at < PARTITIONS_TTL:
+            return ranges[at].name
+        if now - read_at < 1.0:
+            return None
+        partitions = self.store.partitions
+        partitions.forget()
+        known = partitions.known()
+        self._partitions = (now, [rng.lower for rng in known], known)
+        at = bisect.bisect_right([rng.lower for rng in known], due_at) - 1
+        return known[at].name if at >= 0 and known[at].holds(due_at) else None
+
+    def _job_row(self, cur: psycopg.Cursor[Any], job_id: uuid.UUID, due_at: dt.datetime) -> Any:
+        """Job ``job_id``'s ``(status, attempt, due_at)`` at ``due_at``, or None.
+
+        Read from its partition by a prepared statement when the partition
+        is known (about a third of the server's time of the same read on
+        ``jobs``, which is planned on every call); else, or behind
+        PgBouncer (no prepared statements, and a failed statement would
+        abort the transaction the pool wraps it in), on ``jobs``."""
+        if not self._settings.pgbouncer:
+            partition = self._partition_of(due_at)
+            if partition is not None:
+                stmt = self._by_partition.get(partition)
+                if stmt is None:
+                    stmt = RawStatement(delivery_job_in(self._statements.tables, partition))
+                    self._by_partition[partition] = stmt
+                try:
+                    return cur.execute(stmt.sql, {"p_job_id": job_id, "p_due": due_at}).fetchone()
+                except psycopg.errors.UndefinedTable:
+                    # Dropped since the listing was read (retention).
+                    self._partitions = (0.0, [], [])
+                    self._by_partition.clear()
+        read = self._delivery_job
+        params = read.params(p_job_id=job_id, **_due_params(due_at))
+        return cur.execute(read.sql, params, prepare=False).fetchone()
+
     def check_delivery(
         self, job_id: uuid.UUID, attempt: int | None, *, due_at: dt.datetime | None = None
     ) -> DeliveryCheck:
@@ -273,16 +325,13 @@ class PostgresLedger(Ledger):
         margin = self._check_delivery_margin
         by_margin = margin.params(p_job_id=job_id, p_attempt=attempt)
 
-        read = self._delivery_job
-        read_params = read.params(p_job_id=job_id, **_due_params(due_at))
-
         def check(cur: psycopg.Cursor[Any]) -> Any:
             if due_at is not None:
                 # The plain read first: only a row whose attempt is newer
                 # than the delivery's, still pending or dispatched, can be
                 # adopted, and only then is the adopting statement (about
                 # three times the planning) worth running.
-                found = cur.execute(read.sql, read_params, prepare=False).fetchone()
+                found = self._job_row(cur, job_id, due_at)
                 if found is not None:
                     status, job_attempt, job_due = found
                     if attempt is None or job_attempt <= attempt or status not in _ADOPTABLE:

@@ -46,6 +46,7 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    column,
     delete,
     exists,
     extract,
@@ -56,6 +57,7 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    table,
     union_all,
     update,
 )
@@ -1268,6 +1270,29 @@ def delivery_job(t: Tables, due: DueTest = due_between) -> Select[Any]:
     c = t.jobs.c
     return select(c.status, c.attempt, c.due_at).where(
         c.id == bindparam("p_job_id", type_=c.id.type), due(t.jobs)
+    )
+
+
+def delivery_job_in(t: Tables, partition: str) -> Select[Any]:
+    """:func:`delivery_job` on ``partition`` alone, the partition of ``jobs``
+    that holds the delivery's due time ``p_due``.
+
+    A plain table: the statement runs prepared (planned once per
+    connection) and locks that partition only, where the same read on
+    ``jobs`` is planned on every call (:func:`due_between`)."""
+    jobs = t.jobs
+    c = jobs.c
+    part = table(
+        partition,
+        column("id", c.id.type),
+        column("status", c.status.type),
+        column("attempt", c.attempt.type),
+        column("due_at", c.due_at.type),
+        schema=jobs.schema,
+    )
+    return select(part.c.status, part.c.attempt, part.c.due_at).where(
+        part.c.id == bindparam("p_job_id", type_=c.id.type),
+        part.c.due_at == bindparam("p_due", type_=c.due_at.type),
     )
 
 
