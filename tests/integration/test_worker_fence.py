@@ -21,7 +21,7 @@ from celery import Celery, signals
 
 import celery_sched
 from celery_sched import fence, tracking
-from celery_sched.models import JobStatus
+from celery_sched.models import ClaimOutcome, JobStatus
 from celery_sched.protocol import ATTEMPT_HEADER, request_attempt
 from celery_sched.settings import Settings
 from celery_sched.store.memory import MemoryJobStore
@@ -257,3 +257,53 @@ def test_the_fence_reads_a_partition_it_lists_and_falls_back_when_it_is_gone(
     assert gone.name not in ledger._by_partition
     assert ledger.check_delivery(job.id, 0, due_at=job.due_at).reason == "the job is cancelled"
     assert ledger._partitions[1] == []  # forgotten: read again next time
+
+
+def test_a_task_take_by_its_jobs_partition_applies_the_whole_fence(
+    store: PostgresJobStore,
+) -> None:
+    # celery_sched.Task's take, as a worker makes it (with the due header):
+    # one prepared statement on the job's partition and the ledger, and the
+    # adopting statement only for an older copy of a job nobody started.
+    ledger = PostgresLedger(store)
+
+    def take(job: Any, key: str, owner: str, attempt: int | None) -> Any:
+        return ledger.acquire(
+            key, owner=owner, lease=60, job_id=job.id, attempt=attempt, due_at=job.due_at
+        )
+
+    started = _requeued(store, "started")
+    assert store.mark_running(started, worker="w", worker_pid=1)
+    row = store.get("started")
+    assert row is not None
+    claim = take(row, "started", "old", 0)
+    assert claim.outcome == ClaimOutcome.FENCED
+    assert claim.reason == "attempt 0 is older than the job's attempt 1"
+    assert take(row, "started", "new", 1).outcome == ClaimOutcome.ACQUIRED
+
+    _requeued(store, "slow")
+    row = store.get("slow")
+    assert row is not None
+    late = take(row, "slow", "late", 0)
+    assert (late.outcome, late.adopted) == (ClaimOutcome.ACQUIRED, 2)
+    own = take(row, "slow-own", "own", 1)
+    assert own.outcome == ClaimOutcome.FENCED
+
+    now = store.now()
+    live = store.add_job(new_job("live", now - dt.timedelta(seconds=1)))
+    assert take(live, "live", "a", 0).outcome == ClaimOutcome.ACQUIRED
+    assert ledger._acquire_in  # by the partition
+    assert take(live, "live", "b", 0).outcome == ClaimOutcome.HELD
+    assert ledger.complete("live", owner="a", job_id=live.id)
+    assert take(live, "live", "c", 0).outcome == ClaimOutcome.COMPLETED
+
+    cancelled = store.add_job(new_job("cancelled", now + dt.timedelta(hours=1)))
+    assert store.cancel("cancelled")
+    claim = take(cancelled, "cancelled", "a", 0)
+    assert (claim.outcome, claim.reason) == (ClaimOutcome.FENCED, "the job is cancelled")
+    for status in ("dead", "succeeded"):
+        job = store.add_job(new_job(status, now - dt.timedelta(seconds=1)))
+        assert store.mark_finished(job.id, JobStatus(status))
+        claim = take(job, status, "a", 0)
+        assert (claim.outcome, claim.reason) == (ClaimOutcome.FENCED, f"the job is {status}")
+    assert ledger.get("cancelled") is None and ledger.get("dead") is None  # nothing taken

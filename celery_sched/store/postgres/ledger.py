@@ -59,6 +59,7 @@ from celery_sched.store.postgres.statements import (
     LEDGER_RUNNING,
     Tables,
     delivery_job_in,
+    ledger_acquire_in,
     seconds_param,
 )
 from celery_sched.timeutil import ensure_utc
@@ -133,10 +134,10 @@ class PostgresLedger(Ledger):
         self._acquire = RawStatement(s.ledger_acquire)
         self._check_delivery = RawStatement(s.ledger_check_delivery)
         self._delivery_job = RawStatement(s.delivery_job)
-        self._take = RawStatement(s.ledger_take)
         # The fence's read by partition (see _job_row).
         self._partitions: tuple[float, list[dt.datetime], list[PartitionRange]] = (0.0, [], [])
         self._by_partition: dict[str, RawStatement] = {}
+        self._acquire_in: dict[str, RawStatement] = {}
         self._acquire_margin = RawStatement(s.by_margin.ledger_acquire)
         self._check_delivery_margin = RawStatement(s.by_margin.ledger_check_delivery)
         self._inspect = RawStatement(s.ledger_inspect)
@@ -200,40 +201,53 @@ class PostgresLedger(Ledger):
             claim = take(cur)
             return claim if adopted is None else dataclasses.replace(claim, adopted=adopted)
 
-        quick = self._take
-        quick_params = quick.params(
-            p_key=key,
-            p_owner=owner,
-            p_lease=lease,
-            p_job_id=job_id,
-            p_take_completed=take_completed,
-        )
+        by_partition = {
+            "p_key": key,
+            "p_owner": owner,
+            "p_lease": lease,
+            "p_job_id": job_id,
+            "p_attempt": attempt,
+            "p_take_completed": take_completed,
+            "p_due": due_at,
+        }
 
-        def fenced_by_read(cur: psycopg.Cursor[Any]) -> tuple[bool, str | None]:
-            """The fence by the plain read of the job row (see :meth:`check_delivery`):
-            (whether it decided, why the delivery is fenced)."""
+        def take_in_partition(cur: psycopg.Cursor[Any]) -> Any:
+            """The take with the fence read from the job's partition, one
+            prepared statement (``(taken, status, attempt)``), or None when
+            the adopting statement must decide (or the partition is unknown)."""
             if due_at is None or job_id is None or adopted is not None:
-                return False, None
-            found = self._job_row(cur, job_id, due_at)
-            if found is None:
-                return False, None
-            status, job_attempt, _ = found
-            if attempt is not None and job_attempt > attempt and status in _ADOPTABLE:
-                return False, None  # the adopting statement decides
-            return True, delivery_fence(status, int(job_attempt), attempt)
+                return None
+            if self._settings.pgbouncer:
+                return None
+            partition = self._partition_of(due_at)
+            if partition is None:
+                return None
+            stmt = self._acquire_in.get(partition)
+            if stmt is None:
+                stmt = RawStatement(ledger_acquire_in(self._statements.tables, partition))
+                self._acquire_in[partition] = stmt
+            answer: Any
+            try:
+                answer = cur.execute(stmt.sql, stmt.params(**by_partition)).fetchone()
+            except psycopg.errors.UndefinedTable:
+                self._forget_partitions()
+                return None
+            _, status, job_attempt = answer
+            if (
+                status is not None
+                and attempt is not None
+                and job_attempt > attempt
+                and status in _ADOPTABLE
+            ):
+                return None  # it may adopt the job: the full statement decides
+            return answer
 
         def take(cur: psycopg.Cursor[Any]) -> LedgerClaim:
             nonlocal adopted
             for _ in range(ACQUIRE_ROUNDS):
-                decided, reason = fenced_by_read(cur)
-                if reason is not None:
-                    return LedgerClaim(outcome=ClaimOutcome.FENCED, reason=reason)
-                answer: Any
-                if decided:
-                    # The delivery passed the fence just now: take the key
-                    # by the statement on the ledger alone, prepared.
-                    row = cur.execute(quick.sql, quick_params).fetchone()
-                    answer = (None if row is None else row[0], None, None, None, None)
+                answer: Any = take_in_partition(cur)
+                if answer is not None:
+                    answer = (*answer, None, None)
                 else:
                     # Scalar subqueries only: always exactly one row.
                     answer = cur.execute(stmt.sql, params, prepare=prepare).fetchone()
@@ -292,6 +306,12 @@ class PostgresLedger(Ledger):
         at = bisect.bisect_right([rng.lower for rng in known], due_at) - 1
         return known[at].name if at >= 0 and known[at].holds(due_at) else None
 
+    def _forget_partitions(self) -> None:
+        # A partition was dropped since the listing was read (retention).
+        self._partitions = (0.0, [], [])
+        self._by_partition.clear()
+        self._acquire_in.clear()
+
     def _job_row(self, cur: psycopg.Cursor[Any], job_id: uuid.UUID, due_at: dt.datetime) -> Any:
         """Job ``job_id``'s ``(status, attempt, due_at)`` at ``due_at``, or None.
 
@@ -310,9 +330,7 @@ class PostgresLedger(Ledger):
                 try:
                     return cur.execute(stmt.sql, {"p_job_id": job_id, "p_due": due_at}).fetchone()
                 except psycopg.errors.UndefinedTable:
-                    # Dropped since the listing was read (retention).
-                    self._partitions = (0.0, [], [])
-                    self._by_partition.clear()
+                    self._forget_partitions()
         read = self._delivery_job
         params = read.params(p_job_id=job_id, **_due_params(due_at))
         return cur.execute(read.sql, params, prepare=False).fetchone()

@@ -1245,15 +1245,6 @@ def ledger_acquire(t: Tables, due: DueTest = due_between) -> Select[Any]:
     return select(select(taken.c.attempts).scalar_subquery().label("taken"), *fence.verdict)
 
 
-def ledger_take(t: Tables) -> Select[Any]:
-    """:func:`ledger_acquire` without the delivery fence, for a delivery the
-    worker has just checked with :func:`delivery_job` (it touches only the
-    ``ledger`` table, which is not partitioned, so it runs prepared); one
-    row: the attempts if taken."""
-    taken = _ledger_take(t, None, _no_fsync()).cte("taken")
-    return select(select(taken.c.attempts).scalar_subquery().label("taken"))
-
-
 def ledger_check_delivery(t: Tables, due: DueTest = due_between) -> Select[Any]:
     """The delivery fence and adoption of :func:`ledger_acquire` for a
     delivery of job ``p_job_id`` at ``p_attempt`` that takes no key."""
@@ -1273,6 +1264,25 @@ def delivery_job(t: Tables, due: DueTest = due_between) -> Select[Any]:
     )
 
 
+def _partition_table(t: Tables, partition: str) -> Any:
+    c = t.jobs.c
+    return table(
+        partition,
+        column("id", c.id.type),
+        column("status", c.status.type),
+        column("attempt", c.attempt.type),
+        column("due_at", c.due_at.type),
+        schema=t.jobs.schema,
+    )
+
+
+def _in_partition(part: Any, jobs: Table) -> tuple[ColumnElement[bool], ...]:
+    return (
+        part.c.id == bindparam("p_job_id", type_=jobs.c.id.type),
+        part.c.due_at == bindparam("p_due", type_=jobs.c.due_at.type),
+    )
+
+
 def delivery_job_in(t: Tables, partition: str) -> Select[Any]:
     """:func:`delivery_job` on ``partition`` alone, the partition of ``jobs``
     that holds the delivery's due time ``p_due``.
@@ -1280,19 +1290,28 @@ def delivery_job_in(t: Tables, partition: str) -> Select[Any]:
     A plain table: the statement runs prepared (planned once per
     connection) and locks that partition only, where the same read on
     ``jobs`` is planned on every call (:func:`due_between`)."""
-    jobs = t.jobs
-    c = jobs.c
-    part = table(
-        partition,
-        column("id", c.id.type),
-        column("status", c.status.type),
-        column("attempt", c.attempt.type),
-        column("due_at", c.due_at.type),
-        schema=jobs.schema,
+    part = _partition_table(t, partition)
+    return select(part.c.status, part.c.attempt, part.c.due_at).where(*_in_partition(part, t.jobs))
+
+
+def ledger_acquire_in(t: Tables, partition: str) -> Select[Any]:
+    """:func:`ledger_acquire` reading job ``p_job_id`` from ``partition``
+    (the one that holds its due time ``p_due``), without the adoption: a
+    delivery of an older attempt takes nothing here and is decided by
+    :func:`ledger_acquire`. Touches a plain table and the ledger, so it
+    runs prepared; one row: the attempts if taken, the row's status and
+    attempt."""
+    part = _partition_table(t, partition)
+    job = select(part.c.status, part.c.attempt).where(*_in_partition(part, t.jobs)).cte("job")
+    delivered = bindparam("p_attempt", type_=Integer)
+    fenced = exists().where(
+        or_(job.c.status.in_(_literals(FENCED_STATUSES)), job.c.attempt > delivered)
     )
-    return select(part.c.status, part.c.attempt, part.c.due_at).where(
-        part.c.id == bindparam("p_job_id", type_=c.id.type),
-        part.c.due_at == bindparam("p_due", type_=c.due_at.type),
+    taken = _ledger_take(t, fenced, _no_fsync()).cte("taken")
+    return select(
+        select(taken.c.attempts).scalar_subquery().label("taken"),
+        select(job.c.status).scalar_subquery().label("job_status"),
+        select(job.c.attempt).scalar_subquery().label("job_attempt"),
     )
 
 
@@ -1392,7 +1411,6 @@ NAMED: tuple[Callable[[Tables], Any], ...] = (
     ledger_acquire,
     ledger_check_delivery,
     delivery_job,
-    ledger_take,
     ledger_inspect,
     ledger_complete,
     ledger_complete_keep_result,
@@ -1439,7 +1457,6 @@ class Statements:
         self.ledger_acquire = ledger_acquire(t)
         self.ledger_check_delivery = ledger_check_delivery(t)
         self.delivery_job = delivery_job(t)
-        self.ledger_take = ledger_take(t)
         self.ledger_inspect = ledger_inspect(t)
         self.ledger_complete = ledger_complete(t)
         self.ledger_complete_keep_result = ledger_complete_keep_result(t)
