@@ -16,27 +16,41 @@ acknowledged and skipped, with no result stored and no status reported (the
 delivery passed, not by ``task_prerun``), and the job's current delivery
 (same task id) is untouched.
 
-Where the check runs (issue #31, measured with ``benchmarks/worker_overhead.py
---jobs 5000 --rounds 3``, prefork x2, Redis): it used to run in the worker
-request's ``revoked()``, which the worker's *main* process calls for every
-message on its consumer loop. That loop is what bounds a prefork worker's
-rate for short tasks, and one blocking read per message (about 190 us with
-the adoption statement, planned per call) halved it: plain 3,127/s,
-tracking 1,249/s. Checked in the pool child instead, the read overlaps
-the main process's work for the next messages; and the read itself is a
-plain ``SELECT`` of the row at its due time (about 70 us) unless the row's
-attempt is newer than the delivery's, the only case where the adopting
-statement can change anything (see
-:meth:`~celery_sched.store.postgres.PostgresLedger.check_delivery`). Options
-measured and not taken: batching the reads of the prefetched window (the
-consumer hands the pool one message at a time; batching them would hold
-messages back in the main process, and a batch of 32 ids read in one
-statement costs about 12 us a job, but only where a batch exists);
-merging the check into a synchronous ``running`` report (two row versions
-per job instead of the one the batched ``ran`` report writes); a set of
-fenced ids pushed by the store (a missed or late notice would run a
-fenced delivery, and every transition to a fenced status would have to
-send it).
+Where the check runs (issue #31; ``benchmarks/worker_overhead.py --jobs
+5000 --rounds 3``, prefork x2, Redis, on the 2-core machine): it used to
+run in the worker request's ``revoked()``, which the worker's *main*
+process calls for every message on its consumer loop, the loop that
+bounds a prefork worker's rate for short tasks: one blocking read per
+message (the adopting statement, planned per call, about 190 us) took
+tracking from plain's 3,127/s to 1,249/s (2.5x the time). Options measured:
+
+- check in the pool process (chosen): the read no longer stalls the
+  consumer loop; 1,796/s, 1.6x;
+- make the read cheap (chosen, with it): a plain read of the row
+  (``PostgresLedger.check_delivery``), from the partition that holds the
+  delivery's due time, prepared: 190 -> 39 us a check; the adopting
+  statement runs only when the row's attempt is newer than the
+  delivery's, the one case where it can change anything;
+- batch the prefetched window (tried, dropped): the main process gave
+  each delivery a ticket in shared memory and the first pool process to
+  need a verdict read every undecided row in one statement (about 12 us
+  a job for 32 ids). But a prefork pool is handed each message as soon as
+  the main process has it, so the window held one or two deliveries and
+  the batches were as small as the single reads; a reader thread in the
+  main process (batching for 2 ms) halved the rate instead (GIL against
+  the consumer loop, 739/s);
+- merge the check into a synchronous ``running`` report: a write per
+  delivery and two row versions per job instead of the one the batched
+  ``ran`` report writes; not taken;
+- a set of fenced ids pushed by the store: every transition to a fenced
+  status (cancel, requeue, give-up, expiry, another copy's success) would
+  have to announce itself, and a missed notice would run a fenced
+  delivery; not taken.
+
+With the fence off (``celery_sched_worker_fence``), tracking costs about
+1.05x; what remains of the fence's cost is the round trip each task makes
+before its body on a machine whose cores the consumer loop, the pool,
+PostgreSQL and the broker share.
 
 :func:`install` (called by :func:`celery_sched.tracking.install`) wraps the
 ``run`` of every task of the app when a worker starts (``worker_init``,
