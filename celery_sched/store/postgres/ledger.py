@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -145,6 +146,7 @@ class PostgresLedger(Ledger):
         self._partitions: tuple[float, list[dt.datetime], list[PartitionRange]] = (0.0, [], [])
         self._by_partition: dict[str, RawStatement] = {}
         self._acquire_in: dict[str, RawStatement] = {}
+        self._partitions_lock = threading.Lock()
         self._acquire_margin = RawStatement(s.by_margin.ledger_acquire)
         self._check_delivery_margin = RawStatement(s.by_margin.ledger_check_delivery)
         self._inspect = RawStatement(s.ledger_inspect)
@@ -304,12 +306,17 @@ class PostgresLedger(Ledger):
         at = bisect.bisect_right(lowers, due_at) - 1
         if at >= 0 and ranges[at].holds(due_at) and now - read_at < PARTITIONS_TTL:
             return ranges[at].name
-        if now - read_at < 1.0:
+        # One reader at a time (threads, greenlets); the others read on
+        # ``jobs`` meanwhile rather than queue for the catalog.
+        if now - read_at < 1.0 or not self._partitions_lock.acquire(blocking=False):
             return None
-        partitions = self.store.partitions
-        partitions.forget()
-        known = partitions.known()
-        self._partitions = (now, [rng.lower for rng in known], known)
+        try:
+            partitions = self.store.partitions
+            partitions.forget()
+            known = partitions.known()
+            self._partitions = (time.monotonic(), [rng.lower for rng in known], known)
+        finally:
+            self._partitions_lock.release()
         at = bisect.bisect_right([rng.lower for rng in known], due_at) - 1
         return known[at].name if at >= 0 and known[at].holds(due_at) else None
 
