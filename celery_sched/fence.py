@@ -6,20 +6,57 @@ it was requeued since this message was sent (the row's ``attempt`` is newer
 than the message's ``celery_sched_attempt`` header); the rule is
 :func:`celery_sched.models.delivery_fence`. ``celery_sched.Task`` applies
 it inside its ledger acquire. A plain task has no ledger, and Celery
-swallows what a ``task_prerun`` handler raises, so the fence sits where a
-stock worker decides whether to run a message at all: the worker request
-class (``Task.Request``). Its :meth:`~celery.worker.request.Request.revoked`
-check, which the worker's main process runs before it hands a message to
-the pool (and again when an ETA comes due), also reads the job row by
-primary key; a fenced delivery is acknowledged and skipped, as a revoked
-task is, but with no revoked state stored or signalled: nothing reports a
-status for it, and the job's current delivery (same task id) is untouched.
+swallows what a ``task_prerun`` handler raises, so the fence wraps the
+task's ``run`` (:class:`FencedRun`): in the process that executes the task
+(the pool child on prefork, the thread or greenlet on threads and gevent),
+just before the task body, one read of the job row by primary key. A
+fenced delivery raises :class:`~celery.exceptions.Ignore`: it is
+acknowledged and skipped, with no result stored and no status reported (the
+``running`` report of a fenced task is sent by the wrapper once the
+delivery passed, not by ``task_prerun``), and the job's current delivery
+(same task id) is untouched.
 
-:func:`install` (called by :func:`celery_sched.tracking.install`) makes every
-task of the app use such a request class when a worker starts
-(``worker_init``), so tasks registered after ``install`` are covered too; a
-task's own request class is kept, with the fence mixed in. Setting
-``celery_sched_worker_fence`` to false turns it off.
+Where the check runs (issue #31; ``benchmarks/worker_overhead.py --jobs
+5000 --rounds 3``, prefork x2, Redis, on the 2-core machine): it used to
+run in the worker request's ``revoked()``, which the worker's *main*
+process calls for every message on its consumer loop, the loop that
+bounds a prefork worker's rate for short tasks: one blocking read per
+message (the adopting statement, planned per call, about 190 us) took
+tracking from plain's 3,127/s to 1,249/s (2.5x the time). Options measured:
+
+- check in the pool process (chosen): the read no longer stalls the
+  consumer loop; 1,796/s, 1.6x;
+- make the read cheap (chosen, with it): a plain read of the row
+  (``PostgresLedger.check_delivery``), from the partition that holds the
+  delivery's due time, prepared: 190 -> 39 us a check; the adopting
+  statement runs only when the row's attempt is newer than the
+  delivery's, the one case where it can change anything;
+- batch the prefetched window (tried, dropped): the main process gave
+  each delivery a ticket in shared memory and the first pool process to
+  need a verdict read every undecided row in one statement (about 12 us
+  a job for 32 ids). But a prefork pool is handed each message as soon as
+  the main process has it, so the window held one or two deliveries and
+  the batches were as small as the single reads; a reader thread in the
+  main process (batching for 2 ms) halved the rate instead (GIL against
+  the consumer loop, 739/s);
+- merge the check into a synchronous ``running`` report: a write per
+  delivery and two row versions per job instead of the one the batched
+  ``ran`` report writes; not taken;
+- a set of fenced ids pushed by the store: every transition to a fenced
+  status (cancel, requeue, give-up, expiry, another copy's success) would
+  have to announce itself, and a missed notice would run a fenced
+  delivery; not taken.
+
+With the fence off (``celery_sched_worker_fence``), tracking costs about
+1.05x; what remains of the fence's cost is the round trip each task makes
+before its body on a machine whose cores the consumer loop, the pool,
+PostgreSQL and the broker share.
+
+:func:`install` (called by :func:`celery_sched.tracking.install`) wraps the
+``run`` of every task of the app when a worker starts (``worker_init``,
+before the pool's processes build their tracers), so tasks registered after
+``install`` are covered too. Setting ``celery_sched_worker_fence`` to false
+turns it off.
 
 What it does not cover: a worker without tracking installed; a delivery
 already running when its job is cancelled (the check is one read at
@@ -38,8 +75,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
-from celery.utils.imports import symbol_by_name
-from celery.worker.state import task_ready
+from celery.exceptions import Ignore
 
 from celery_sched import backends
 from celery_sched.errors import CelerySchedError
@@ -102,88 +138,108 @@ def fence_for(app: Any) -> DeliveryFence:
     return side.part(DeliveryFence, lambda: DeliveryFence(side.ledger))
 
 
-class FencedRequest:
-    """Mixed into a worker request class: a fenced delivery counts as revoked."""
-
-    def revoked(self) -> bool:
-        if super().revoked():  # type: ignore[misc]
-            return True
-        request: Any = self
-        job_id = request_job_id(request, request.id)
-        if job_id is None:
-            return False
-        attempt = request_attempt(request)
-        check = fence_for(request.task.app).check(job_id, attempt, request_due(request))
-        if check.due_at is not None:
-            # The job was made due again (a requeue by hand) since this
-            # message was sent: its status reports must name the row's due
-            # time, or they would find no row.
-            request._request_dict[DUE_HEADER] = check.due_at.isoformat()
-        if check.adopted is not None:
-            # This copy runs as the job's new attempt: the pool child reads
-            # its headers from the request dict, so its status reports and
-            # retries carry that attempt, and the later copies are fenced.
-            logger.info(
-                "task %s[%s]: delivery of attempt %s took over the job, nobody had started "
-                "it since its requeue; running it as attempt %d",
-                request.name,
-                request.id,
-                attempt,
-                check.adopted,
-            )
-            request._request_dict[ATTEMPT_HEADER] = check.adopted
-            return False
-        reason = check.reason
-        if reason is None:
-            return False
+def check_request(task: Any, request: Any) -> str | None:
+    """Apply the fence to ``task``'s current delivery ``request``: why it must
+    not run, or ``None`` (then its headers name the attempt and due time it
+    runs as, for its status reports and retries)."""
+    job_id = request_job_id(request, request.id)
+    if job_id is None:
+        return None
+    attempt = request_attempt(request)
+    check = fence_for(task.app).check(job_id, attempt, request_due(request))
+    if check.due_at is not None:
+        # The job was made due again (a requeue by hand) since this message
+        # was sent: its status reports must name the row's due time, or
+        # they would find no row.
+        _set_header(request, DUE_HEADER, check.due_at.isoformat())
+    if check.adopted is not None:
+        # This copy runs as the job's new attempt: its status reports and
+        # retries carry that attempt, and the later copies are fenced.
+        logger.info(
+            "task %s[%s]: delivery of attempt %s took over the job, nobody had started "
+            "it since its requeue; running it as attempt %d",
+            task.name,
+            request.id,
+            attempt,
+            check.adopted,
+        )
+        _set_header(request, ATTEMPT_HEADER, check.adopted)
+        return None
+    reason = check.reason
+    if reason is not None:
         logger.warning(
             "task %s[%s]: not running this delivery (attempt %s): %s",
-            request.name,
+            task.name,
             request.id,
             "?" if attempt is None else attempt,
             reason,
         )
-        # What Celery's own revoke does, minus the revoked result, event and
-        # signal: the job's current delivery has this same task id.
-        request._already_revoked = True
-        task_ready(request)
-        request.acknowledge()
-        return True
+    return reason
 
 
-_fenced_classes: dict[type, type] = {}
-_fenced_classes_lock = threading.Lock()
+def _set_header(request: Any, name: str, value: Any) -> None:
+    # A worker's request has its headers as attributes; an eager apply
+    # keeps them in a mapping too (celery_sched.protocol.header).
+    setattr(request, name, value)
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict):
+        headers[name] = value
 
 
-def fenced(base: type) -> type:
-    """``base`` (a worker request class) with the delivery fence mixed in."""
-    if issubclass(base, FencedRequest):
-        return base
-    with _fenced_classes_lock:
-        cls = _fenced_classes.get(base)
-        if cls is None:
-            cls = _fenced_classes[base] = type(
-                f"Fenced{base.__name__}", (FencedRequest, base), {"__module__": __name__}
-            )
-        return cls
+class FencedRun:
+    """A task's ``run``, behind the delivery fence.
+
+    Reports the delivery's start (:func:`celery_sched.tracking.report_running`)
+    once it passed, with the attempt and due time it runs as; a direct call
+    (``mytask(...)``) is not checked.
+    """
+
+    def __init__(self, task: Any, run: Any) -> None:
+        self.task = task
+        self.run = run
+        self.__wrapped__ = run
+        self.__doc__ = getattr(run, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        task = self.task
+        request = task.request_stack.top
+        if request is not None and not request.called_directly:
+            reason = check_request(task, request)
+            if reason is not None:
+                raise Ignore(reason)
+            from celery_sched import tracking  # tracking imports this module
+
+            tracking.report_running(task, request.id)
+        return self.run(*args, **kwargs)
+
+
+def fenced_run(task: Any) -> bool:
+    """Whether ``task`` runs behind the fence (its start is then reported by
+    :class:`FencedRun`, not by ``task_prerun``)."""
+    return isinstance(getattr(task, "run", None), FencedRun)
+
+
+_apply_lock = threading.Lock()
 
 
 def apply(app: Any) -> int:
-    """Give every task of ``app`` a fenced request class (unless the
+    """Put every task of ``app`` behind the fence (unless the
     ``celery_sched_worker_fence`` setting is off); returns how many changed."""
     if not backends.worker_side(app).settings.worker_fence:
         logger.info("delivery fence is off (celery_sched_worker_fence)")
         return 0
     changed = 0
-    for task in list(app.tasks.values()):
-        if getattr(task, "fenced_by_ledger", False):
-            # A celery_sched.Task: its ledger take applies the same fence in
-            # the statement it runs anyway; a second read here would only
-            # cost the worker's main process a round trip per delivery.
-            continue
-        current = symbol_by_name(task.Request)
-        if not issubclass(current, FencedRequest):
-            task.Request = fenced(current)
+    with _apply_lock:
+        for task in list(app.tasks.values()):
+            if getattr(task, "fenced_by_ledger", False):
+                # A celery_sched.Task: its ledger take applies the same fence
+                # in the statement it runs anyway.
+                continue
+            if task.name.startswith("celery.") or fenced_run(task):
+                continue
+            # An instance attribute: Celery's tracer calls ``task.run`` (or
+            # ``task.__call__``, which calls it) in the process that executes.
+            task.run = FencedRun(task, task.run)
             changed += 1
     return changed
 
@@ -201,5 +257,6 @@ def install(app: Any, *, ledger: Ledger | None = None) -> None:
         if getattr(sender, "app", None) is app:
             apply(app)
 
-    # Before the worker builds its task strategies, which read Task.Request.
+    # Before the worker builds its tracers (in each pool process), which
+    # take ``task.run``.
     signals.worker_init.connect(on_worker_init, weak=False)

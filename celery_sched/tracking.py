@@ -434,7 +434,10 @@ def _job_id(task: Any, task_id: str | None) -> uuid.UUID | None:
 
 
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
-    report_running(task, task_id)
+    # A task behind the delivery fence reports its start once the fence
+    # let it pass (celery_sched.fence.FencedRun), as the attempt it runs as.
+    if not fence.fenced_run(task):
+        report_running(task, task_id)
 
 
 def report_running(task: Any, task_id: str | None) -> None:

@@ -11,7 +11,14 @@ by primary key (the delivery fence) and, unless the delivery is fenced,
 runs ``INSERT ... ON CONFLICT DO UPDATE ... WHERE <the lease expired> RETURNING``
 (a new key, or one taken over from a dead holder or from an earlier job
 that used the same key); only when it takes nothing and is not fenced is
-the ledger row read, to tell a completed key from a held one.
+the ledger row read, to tell a completed key from a held one. A delivery
+with the due header reads its row from the partition that holds its due
+time (``ledger_acquire_in``: a plain table, so the statement is prepared,
+planned once per connection; 351 -> 77 us a take on one connection, issue
+#31), and only an older copy of a job nobody started, which may adopt the
+job, runs the full ``ledger_acquire`` (planned per call, see
+:func:`~celery_sched.store.postgres.statements.due_between`).
+:meth:`PostgresLedger.check_delivery` reads the same way.
 :meth:`PostgresLedger.complete` is one upsert (durable; the acquire commits
 without waiting for its WAL flush, see
 :func:`~celery_sched.store.postgres.statements.ledger_acquire`, so a lost
@@ -24,10 +31,13 @@ each is atomic.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -41,6 +51,7 @@ from sqlalchemy.engine import Connection, Engine
 from celery_sched.errors import CelerySchedError, LedgerConflict
 from celery_sched.interfaces import Ledger
 from celery_sched.models import (
+    ADOPTABLE_STATUSES,
     ClaimOutcome,
     DeliveryCheck,
     LedgerClaim,
@@ -48,12 +59,15 @@ from celery_sched.models import (
     LedgerState,
     delivery_fence,
 )
+from celery_sched.store.partitions import PartitionRange
 from celery_sched.store.postgres.base import PostgresStoreBase
 from celery_sched.store.postgres.connection import RawStatement, TransientDatabaseError
 from celery_sched.store.postgres.statements import (
     LEDGER_COMPLETED,
     LEDGER_RUNNING,
     Tables,
+    delivery_job_in,
+    ledger_acquire_in,
     seconds_param,
 )
 from celery_sched.timeutil import ensure_utc
@@ -61,6 +75,12 @@ from celery_sched.timeutil import ensure_utc
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Seconds the fence's listing of partitions is trusted (see
+#: ``PostgresLedger._job_row``).
+PARTITIONS_TTL = 60.0
+
+_ADOPTABLE = frozenset(status.value for status in ADOPTABLE_STATUSES)
 
 #: How often acquire re-tries its insert when the row it conflicted with
 #: disappears before it can be read (released by a failing holder meanwhile).
@@ -121,6 +141,12 @@ class PostgresLedger(Ledger):
         # and by the margin for a message without the due header.
         self._acquire = RawStatement(s.ledger_acquire)
         self._check_delivery = RawStatement(s.ledger_check_delivery)
+        self._delivery_job = RawStatement(s.delivery_job)
+        # The fence's read by partition (see _job_row).
+        self._partitions: tuple[float, list[dt.datetime], list[PartitionRange]] = (0.0, [], [])
+        self._by_partition: dict[str, RawStatement] = {}
+        self._acquire_in: dict[str, RawStatement] = {}
+        self._partitions_lock = threading.Lock()
         self._acquire_margin = RawStatement(s.by_margin.ledger_acquire)
         self._check_delivery_margin = RawStatement(s.by_margin.ledger_check_delivery)
         self._inspect = RawStatement(s.ledger_inspect)
@@ -184,13 +210,56 @@ class PostgresLedger(Ledger):
             claim = take(cur)
             return claim if adopted is None else dataclasses.replace(claim, adopted=adopted)
 
+        by_partition = {
+            "p_key": key,
+            "p_owner": owner,
+            "p_lease": lease,
+            "p_job_id": job_id,
+            "p_attempt": attempt,
+            "p_take_completed": take_completed,
+            "p_due": due_at,
+        }
+
+        def take_in_partition(cur: psycopg.Cursor[Any]) -> Any:
+            """The take with the fence read from the job's partition, one
+            prepared statement (``(taken, status, attempt)``), or None when
+            the adopting statement must decide (or the partition is unknown)."""
+            if due_at is None or job_id is None or adopted is not None:
+                return None
+            if self._settings.pgbouncer:
+                return None
+            partition = self._partition_of(due_at)
+            if partition is None:
+                return None
+            stmt = self._acquire_in.get(partition)
+            if stmt is None:
+                stmt = RawStatement(ledger_acquire_in(self._statements.tables, partition))
+                self._acquire_in[partition] = stmt
+            answer: Any
+            try:
+                answer = cur.execute(stmt.sql, stmt.params(**by_partition)).fetchone()
+            except psycopg.errors.UndefinedTable:
+                self._forget_partitions()
+                return None
+            _, status, job_attempt = answer
+            if (
+                status is not None
+                and attempt is not None
+                and job_attempt > attempt
+                and status in _ADOPTABLE
+            ):
+                return None  # it may adopt the job: the full statement decides
+            return answer
+
         def take(cur: psycopg.Cursor[Any]) -> LedgerClaim:
             nonlocal adopted
             for _ in range(ACQUIRE_ROUNDS):
-                # Scalar subqueries only: always exactly one row.
-                answer: tuple[Any, ...] = (
-                    cur.execute(stmt.sql, params, prepare=prepare).fetchone() or ()
-                )
+                answer: Any = take_in_partition(cur)
+                if answer is not None:
+                    answer = (*answer, None, None)
+                else:
+                    # Scalar subqueries only: always exactly one row.
+                    answer = cur.execute(stmt.sql, params, prepare=prepare).fetchone()
                 taken, job_status, job_attempt, adopted_now, _ = answer
                 if adopted_now is not None:
                     adopted = adopted_now
@@ -228,6 +297,58 @@ class PostgresLedger(Ledger):
 
         return self._database.run_raw("ledger acquire", once)
 
+    def _partition_of(self, due_at: dt.datetime) -> str | None:
+        """The name of the ``jobs`` partition holding ``due_at``, from the
+        store's cached listing (read again at most every
+        :data:`PARTITIONS_TTL` seconds, or every second while missing one)."""
+        now = time.monotonic()
+        read_at, lowers, ranges = self._partitions
+        at = bisect.bisect_right(lowers, due_at) - 1
+        if at >= 0 and ranges[at].holds(due_at) and now - read_at < PARTITIONS_TTL:
+            return ranges[at].name
+        # One reader at a time (threads, greenlets); the others read on
+        # ``jobs`` meanwhile rather than queue for the catalog.
+        if now - read_at < 1.0 or not self._partitions_lock.acquire(blocking=False):
+            return None
+        try:
+            partitions = self.store.partitions
+            partitions.forget()
+            known = partitions.known()
+            self._partitions = (time.monotonic(), [rng.lower for rng in known], known)
+        finally:
+            self._partitions_lock.release()
+        at = bisect.bisect_right([rng.lower for rng in known], due_at) - 1
+        return known[at].name if at >= 0 and known[at].holds(due_at) else None
+
+    def _forget_partitions(self) -> None:
+        # A partition was dropped since the listing was read (retention).
+        self._partitions = (0.0, [], [])
+        self._by_partition.clear()
+        self._acquire_in.clear()
+
+    def _job_row(self, cur: psycopg.Cursor[Any], job_id: uuid.UUID, due_at: dt.datetime) -> Any:
+        """Job ``job_id``'s ``(status, attempt, due_at)`` at ``due_at``, or None.
+
+        Read from its partition by a prepared statement when the partition
+        is known (about a third of the server's time of the same read on
+        ``jobs``, which is planned on every call); else, or behind
+        PgBouncer (no prepared statements, and a failed statement would
+        abort the transaction the pool wraps it in), on ``jobs``."""
+        if not self._settings.pgbouncer:
+            partition = self._partition_of(due_at)
+            if partition is not None:
+                stmt = self._by_partition.get(partition)
+                if stmt is None:
+                    stmt = RawStatement(delivery_job_in(self._statements.tables, partition))
+                    self._by_partition[partition] = stmt
+                try:
+                    return cur.execute(stmt.sql, {"p_job_id": job_id, "p_due": due_at}).fetchone()
+                except psycopg.errors.UndefinedTable:
+                    self._forget_partitions()
+        read = self._delivery_job
+        params = read.params(p_job_id=job_id, **_due_params(due_at))
+        return cur.execute(read.sql, params, prepare=False).fetchone()
+
     def check_delivery(
         self, job_id: uuid.UUID, attempt: int | None, *, due_at: dt.datetime | None = None
     ) -> DeliveryCheck:
@@ -238,15 +359,24 @@ class PostgresLedger(Ledger):
 
         def check(cur: psycopg.Cursor[Any]) -> Any:
             if due_at is not None:
-                row = cur.execute(dated.sql, params, prepare=False).fetchone()
-                if row is None or row[0] is not None:
-                    return row
+                # The plain read first: only a row whose attempt is newer
+                # than the delivery's, still pending or dispatched, can be
+                # adopted, and only then is the adopting statement (about
+                # three times the planning) worth running.
+                found = self._job_row(cur, job_id, due_at)
+                if found is not None:
+                    status, job_attempt, job_due = found
+                    if attempt is None or job_attempt <= attempt or status not in _ADOPTABLE:
+                        return (status, job_attempt, None, job_due)
+                    row = cur.execute(dated.sql, params, prepare=False).fetchone()
+                    if row is None or row[0] is not None:
+                        return row
             # No due header, or no row at that due time: a requeue by hand
             # made the job due again since this message was sent (rare; the
             # row is then looked for among the jobs due by tomorrow).
             return cur.execute(margin.sql, by_margin).fetchone()
 
-        # One try, no retry loop: the caller (a worker's consumer) must not
+        # One try, no retry loop: the caller (a task about to run) must not
         # stall while the database is away; it runs the delivery.
         row: Any = self._database.run_raw_once("delivery fence", check)
         status, job_attempt, adopted, job_due = row
