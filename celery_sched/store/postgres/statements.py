@@ -234,12 +234,16 @@ DueTest = Callable[[Table], ColumnElement[bool]]
 
 
 def claim_horizon(jobs: Table) -> ColumnElement[bool]:
-    """``due_at <= p_horizon``: the database's now (read with the epoch
-    fence) plus :data:`SENT_DUE_MARGIN`, as a value. Claims hold
-    ``due_at <= now()`` too; this bound is a constant to the planner, which
-    leaves every partition of a later day out of the claim's plan (``now()``
-    prunes only when the statement starts, after planning over all of them:
-    ~30 ms a claim with a month of daily partitions)."""
+    """``due_at <= p_horizon``: the database's now() as the epoch fence read
+    it in the claim's transaction, as a value. Claims hold ``due_at <=
+    now()`` too, and now() is the transaction's start, so the two bounds are
+    the same instant; this one is a constant to the planner, which leaves
+    every partition of a later day out of the claim's plan (``now()`` prunes
+    only when the statement starts, after planning over all of them: ~30 ms
+    a claim with a month of daily partitions). It was now plus
+    :data:`SENT_DUE_MARGIN` (a day) until issue #31: tomorrow's partition,
+    with a day of future jobs, stayed in every claim's plan and result
+    relations."""
     return jobs.c.due_at <= bindparam("p_horizon", type_=jobs.c.due_at.type)
 
 
