@@ -189,16 +189,29 @@ def backend_cpu(conninfo: str, schema: str) -> dict[int, float]:
 
 def unpartition(conninfo: str, schema: str) -> None:
     """Replace the migrated, partitioned ``jobs`` of ``schema`` by one plain
-    table with the same columns, defaults, constraints, indexes and storage
-    parameters (the reference layout)."""
+    table with the same columns, defaults, constraints, storage parameters
+    and indexes, the indexes under the same names (the reference layout;
+    ``--without-index`` drops the same index from both)."""
     storage = ", ".join(f"{name} = {value}" for name, value in JOBS_STORAGE.items())
+    table = f'"{schema}".jobs'
     with psycopg.connect(conninfo, autocommit=True) as conn, conn.transaction():
-        conn.execute(f'ALTER TABLE "{schema}".jobs RENAME TO jobs_partitioned')
+        indexes = conn.execute(
+            "SELECT c.relname, pg_get_indexdef(i.indexrelid), i.indisprimary FROM pg_index i "
+            "JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = %s::regclass",
+            (table,),
+        ).fetchall()
+        conn.execute(f"ALTER TABLE {table} RENAME TO jobs_partitioned")
         conn.execute(
-            f'CREATE TABLE "{schema}".jobs (LIKE "{schema}".jobs_partitioned INCLUDING ALL) '
-            f"WITH ({storage})"
+            f'CREATE TABLE {table} (LIKE "{schema}".jobs_partitioned '
+            f"INCLUDING ALL EXCLUDING INDEXES) WITH ({storage})"
         )
         conn.execute(f'DROP TABLE "{schema}".jobs_partitioned CASCADE')
+        for name, definition, primary in indexes:
+            conn.execute(definition.replace(" ON ONLY ", " ON "))
+            if primary:
+                conn.execute(
+                    f'ALTER TABLE {table} ADD CONSTRAINT "{name}" PRIMARY KEY USING INDEX "{name}"'
+                )
 
 
 #: Every due time, as the partition list of the reference's plain table.
