@@ -57,8 +57,12 @@ def main() -> None:
     for pair in range(ns.pairs):
         for side in ("with", "without"):
             extra = drop if side == "without" else []
-            # claim.py: only the beat's claim loop count, on --future rows.
-            claim = invoke("claim.py", ["--future", str(ns.future), "--claimers", "3", *extra])
+            # claim.py: only the beat's claim loop count, on --future rows,
+            # on the store's (partitioned) jobs table only.
+            claim = invoke(
+                "claim.py",
+                ["--future", str(ns.future), "--claimers", "3", "--layouts", "partitioned", *extra],
+            )
             claims[side].append(float(claim["rows_per_s"][str(ns.future)]))
             loaded = invoke("bulk_schedule.py", ["--jobs", str(ns.jobs), "--runs", "1", *extra])
             bulk[side].append(float(loaded["schedule_many_jobs_per_s"]))

@@ -276,3 +276,24 @@ def test_fifty_concurrent_reports_fit_the_default_lock_table(
     assert errors == []
     assert sorted(results) == [1] * reporters
     assert {store.get(job.key).status for job in jobs} == {JobStatus.RUNNING}  # type: ignore[union-attr]
+
+
+def test_a_claim_locks_no_partition_of_a_later_day(store: PostgresJobStore) -> None:
+    """A claim's partition bound is the fence's now() (the transaction's
+    start, which every now() of the claim reads too): tomorrow's partition,
+    which holds a day of future jobs, is neither planned nor locked (issue
+    #31; with a bound of now plus a day it was in every claim's plan)."""
+    now = store.now()
+    store.load_jobs(new_job(f"later-{day}", now + day * DAY) for day in range(1, 4))
+    epoch = store.acquire_epoch(0, "test")
+    seen = count_locks(store.database, store.settings.db_schema)
+    for run in range(RUNS):
+        store.add_job(new_job(f"horizon-{run}", store.now() - dt.timedelta(seconds=1)))
+        del seen[:]
+        (claimed,) = store.claim_due(shard=0, epoch=epoch, limit=10)
+        assert claimed.key == f"horizon-{run}"
+        after = store.now()
+        held = {rng.name: rng for rng in store.partitions.known()}
+        locked = partitions_locked(seen)
+        assert partition_of(store, claimed) in locked
+        assert all(held[name].lower <= after for name in locked), sorted(locked)
