@@ -9,9 +9,10 @@ three paths, chosen once per connection by
 - :mod:`.path_redis`: on Redis, each chunk as one pipelined ``LPUSH`` per
   list of envelopes written by :class:`~celery_sched.protocol.RedisEnvelopes`,
   task-sent events sent by ``PUBLISH`` in the same round trip;
-- :mod:`.path_amqp`: on RabbitMQ (py-amqp), ``basic_publish`` with the
-  properties encoded by :mod:`.amqp_wire`, each task-sent event right after
-  its message;
+- :mod:`.path_amqp`: on RabbitMQ (py-amqp), the ``basic.publish`` frames
+  written by :mod:`.amqp_wire` (properties and frames byte for byte as
+  py-amqp writes them), a chunk per socket write with publisher confirms,
+  each task-sent event right after its message;
 - :mod:`.path_kombu`: Kombu's ``Producer.publish``, on any transport, and
   wherever a fast path is refused.
 
@@ -23,7 +24,7 @@ connection, and the fast paths write task-sent events themselves
 (:mod:`.sent_events`).
 
 All three keep the same books (:mod:`.outgoing`: a job counts as sent once
-its chunk is written, never before) and classify failures alike
+its chunk is written, on RabbitMQ once the broker confirmed it, never before) and classify failures alike
 (:mod:`.failures`). What stays here: preparing messages, the retry of a
 whole publish, what a failure does to the batch, and the per-connection
 choice of path with the samples it compares.
