@@ -26,8 +26,9 @@ connection, and the fast paths write task-sent events themselves
 All three keep the same books (:mod:`.outgoing`: a job counts as sent once
 its chunk is written, on RabbitMQ once the broker confirmed it, never
 before) and classify failures alike (:mod:`.failures`). What stays here:
-preparing messages, the retry of a whole publish, what a failure does to the batch, and the per-connection
-choice of path with the samples it compares.
+preparing messages, the retry of a whole publish, what a failure does to
+the batch, and the per-connection choice of path with the samples it
+compares.
 """
 
 from __future__ import annotations
