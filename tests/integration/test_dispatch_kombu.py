@@ -29,7 +29,7 @@ from kombu import Queue
 from kombu.serialization import dumps
 from kombu.utils.encoding import safe_repr
 
-from celery_sched.dispatch import path_redis
+from celery_sched.dispatch import path_redis, sent_events
 from celery_sched.dispatch.fast_path import PublishPath
 from celery_sched.dispatch.kombu import KombuDispatcher
 from celery_sched.models import Job, JobStatus
@@ -697,16 +697,31 @@ def test_the_options_a_task_declares_reach_the_message(
         assert message.properties["expiration"] == str(seconds * 1000)
 
 
-@pytest.mark.parametrize("fast_publish", ["auto", "off"])
+@pytest.mark.parametrize(
+    ("fast_publish", "events"),
+    [("auto", None), ("off", None), ("auto", "fast"), ("auto", "kombu"), ("off", "kombu")],
+)
 def test_rabbitmq_nacks_release_exactly_the_refused_jobs(
-    amqp_url: str, unique_name: str, fast_publish: str
+    amqp_url: str,
+    unique_name: str,
+    fast_publish: str,
+    events: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With publisher confirms (the default), a message RabbitMQ nacks (a
     queue full with ``x-overflow: reject-publish``) is not sent: its job is
-    reported failed (released), and only the confirmed ones count as sent."""
+    reported failed (released), and only the confirmed ones count as sent;
+    also with task-sent events interleaved on the channel, written by the
+    fast path or by Celery's event dispatcher."""
     name = f"celery_sched_nack_{unique_name}"
     app = Celery("nack_test", broker=amqp_url)
-    app.conf.task_send_sent_event = False
+    app.conf.task_send_sent_event = events is not None
+    if events == "kombu":
+        # A sample event that differs sends the events through Kombu.
+        original = sent_events.AmqpSentEvents.body
+        monkeypatch.setattr(
+            sent_events.AmqpSentEvents, "body", lambda self, *a: original(self, *a) + b" "
+        )
     app.conf.task_queues = [
         Queue(name, queue_arguments={"x-max-length": 7, "x-overflow": "reject-publish"})
     ]
@@ -718,6 +733,9 @@ def test_rabbitmq_nacks_release_exactly_the_refused_jobs(
         result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
         expected_path = PublishPath.AMQP if fast_publish == "auto" else PublishPath.KOMBU
         assert dispatcher.publish_path is expected_path
+        if events is not None:
+            expected_events = PublishPath.AMQP if events == "fast" else PublishPath.KOMBU
+            assert dispatcher.sent_events_path is expected_events
         assert result.sent == [job.id for job in jobs[:7]]
         assert result.failed == [job.id for job in jobs[7:]]
         assert not result.rejected and not result.withheld
