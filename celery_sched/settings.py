@@ -214,6 +214,20 @@ class Settings:
         "transport, the kombu and amqp versions and a start-up comparison with Kombu's output "
         "allow it (else Kombu's publish, with a warning); `off`: always Kombu's publish.",
     )
+    publish_confirms: bool = _field(
+        True,
+        "On RabbitMQ (py-amqp), publish with publisher confirms: each chunk of messages is "
+        "published, then the broker's acks for all of it are awaited before its jobs count as "
+        "sent; a nacked message's job is released to `pending`, and a chunk left unconfirmed "
+        "(timeout, lost connection) is published again. `false` counts a message as sent once "
+        "written to the socket: faster, but a message lost on the way (broker restart) waits "
+        "for the reconciler's visibility timeout.",
+    )
+    publish_confirm_timeout: float = _field(
+        10.0,
+        "Seconds to wait for the broker to confirm a chunk (publisher confirms) before the "
+        "chunk counts as not sent and is published again on a fresh connection.",
+    )
     metrics_port: int = _field(
         0,
         "TCP port on which each beat serves `/metrics` (Prometheus), `/healthz` and `/readyz`, "
@@ -279,6 +293,8 @@ class Settings:
             raise ConfigurationError("celery_sched_ledger_retention must be >= 0")
         if self.ledger_max_result_bytes < 0:
             raise ConfigurationError("celery_sched_ledger_max_result_bytes must be >= 0")
+        if not self.publish_confirm_timeout > 0:
+            raise ConfigurationError("celery_sched_publish_confirm_timeout must be positive")
         if self.fast_publish not in ("auto", "off"):
             raise ConfigurationError(
                 f"celery_sched_fast_publish must be 'auto' or 'off', got {self.fast_publish!r}"

@@ -67,6 +67,12 @@ def raise_if_server_wide(exc: redis.exceptions.ResponseError) -> None:
         raise ServerBusy(str(exc)) from exc
 
 
+class ConfirmTimeout(TimeoutError):
+    """The broker did not confirm a chunk's messages in time (publisher
+    confirms): they may or may not be queued, so the chunk is published
+    again on a fresh connection (an ``OSError``, hence transient)."""
+
+
 class DestinationFailed(Exception):
     """One destination (queue, exchange, Redis list) refused its messages;
     ``ids`` are the jobs that were headed there."""

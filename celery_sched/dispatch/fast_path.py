@@ -17,7 +17,8 @@ allows them on a connection only when
 4. sample messages produced by the fast path are what Kombu's own publish
    produces on that very channel: the Redis list and the decoded envelope
    (delivery tag aside: a fresh unique string each), or the AMQP properties
-   byte for byte; with task-sent events on, also a sample event against
+   byte for byte (and, for py-amqp, the frames the fast path writes
+   against py-amqp's own frame writer's); with task-sent events on, also a sample event against
    what Celery's event dispatcher publishes through Kombu: on Redis the
    channels and envelope (delivery tag aside; the event body, clock and
    timestamp included, byte for byte), on py-amqp the exchange, routing
@@ -41,11 +42,17 @@ import enum
 import importlib.metadata
 import json
 import re
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import amqp
+from amqp import spec
+from amqp.method_framing import frame_writer
+from amqp.serialization import dumps
 from celery.events.event import Event
+
+from celery_sched.dispatch.amqp_wire import EncodedMessage, PublishFrames
 
 #: Installed versions the fast paths were checked against: ``(lowest,
 #: first untested)``, compared on the release numbers. A version outside
@@ -191,9 +198,10 @@ def choose(
                     redis_fast(sample), _kombu_redis_write(producer, sample, reply_to)
                 )
             else:
+                ours = amqp_fast(sample)
                 mismatch = _compare_amqp(
-                    amqp_fast(sample), _kombu_amqp_properties(producer, sample, reply_to)
-                )
+                    ours, _kombu_amqp_properties(producer, sample, reply_to)
+                ) or _compare_amqp_frames(channel, sample, ours)
             if mismatch:
                 return Choice(
                     path=PublishPath.KOMBU,
@@ -401,6 +409,25 @@ def _compare_amqp_event(ours: AmqpEvent, theirs: AmqpEvent) -> str:
     if ours.body != theirs.body:
         return f"body {ours.body!r} instead of {theirs.body!r}"
     return _compare_amqp(ours.properties, theirs.properties)
+
+
+def _compare_amqp_frames(channel: Any, sample: Sample, properties: bytes) -> str:
+    """Why the py-amqp path's frames for ``sample`` (a chunk is written as
+    these, :class:`~celery_sched.dispatch.amqp_wire.PublishFrames`) are not
+    what py-amqp's own frame writer writes on ``channel``, or ``""``."""
+    frame_max = channel.connection.frame_max
+    written: list[bytes] = []
+    recorder = types.SimpleNamespace(write=lambda data: written.append(bytes(data)))
+    writer = frame_writer(types.SimpleNamespace(frame_max=frame_max, bytes_sent=0), recorder)
+    args = dumps("Bssbb", (0, "", sample.routing_key, False, False))
+    writer(1, channel.channel_id, spec.Basic.Publish, args, EncodedMessage(sample.body, properties))
+    ours = PublishFrames(channel.channel_id, frame_max).frames(
+        "", sample.routing_key, properties, sample.body
+    )
+    theirs = b"".join(written)
+    if ours == theirs:
+        return ""
+    return "publish frames " + _compare_amqp(ours, theirs)
 
 
 def _compare_redis(ours: tuple[str, bytes], theirs: tuple[str, bytes]) -> str:

@@ -9,9 +9,10 @@ three paths, chosen once per connection by
 - :mod:`.path_redis`: on Redis, each chunk as one pipelined ``LPUSH`` per
   list of envelopes written by :class:`~celery_sched.protocol.RedisEnvelopes`,
   task-sent events sent by ``PUBLISH`` in the same round trip;
-- :mod:`.path_amqp`: on RabbitMQ (py-amqp), ``basic_publish`` with the
-  properties encoded by :mod:`.amqp_wire`, each task-sent event right after
-  its message;
+- :mod:`.path_amqp`: on RabbitMQ (py-amqp), the ``basic.publish`` frames
+  written by :mod:`.amqp_wire` (properties and frames byte for byte as
+  py-amqp writes them), a chunk per socket write with publisher confirms,
+  each task-sent event right after its message;
 - :mod:`.path_kombu`: Kombu's ``Producer.publish``, on any transport, and
   wherever a fast path is refused.
 
@@ -23,10 +24,11 @@ connection, and the fast paths write task-sent events themselves
 (:mod:`.sent_events`).
 
 All three keep the same books (:mod:`.outgoing`: a job counts as sent once
-its chunk is written, never before) and classify failures alike
-(:mod:`.failures`). What stays here: preparing messages, the retry of a
-whole publish, what a failure does to the batch, and the per-connection
-choice of path with the samples it compares.
+its chunk is written, on RabbitMQ once the broker confirmed it, never
+before) and classify failures alike (:mod:`.failures`). What stays here:
+preparing messages, the retry of a whole publish, what a failure does to
+the batch, and the per-connection choice of path with the samples it
+compares.
 """
 
 from __future__ import annotations
@@ -173,6 +175,8 @@ class KombuDispatcher(Dispatcher):
     ) -> PublishResult:
         sent: list[uuid.UUID] = []
         failed: list[uuid.UUID] = []
+        # Nacked by the broker (publisher confirms): released like ``failed``.
+        released: list[uuid.UUID] = []
         expired: list[uuid.UUID] = []
         rejected: dict[uuid.UUID, str] = {}
         todo = self._prepare(jobs, epoch=epoch, now=now, rejected=rejected, expired=expired)
@@ -182,7 +186,7 @@ class KombuDispatcher(Dispatcher):
         while todo:
             try:
                 call_with_retry(
-                    lambda: self._send(todo, sent, rejected, allowed, signals),
+                    lambda: self._send(todo, sent, rejected, allowed, signals, released),
                     transient=TRANSIENT_ERRORS,
                     translate=lambda exc: PublishError(
                         f"publishing to {self._url} failed: {type(exc).__name__}: {exc}"
@@ -215,6 +219,7 @@ class KombuDispatcher(Dispatcher):
                 failed.extend(m.job_id for m in todo if m.job_id not in rejected)
                 todo.clear()
             break
+        failed.extend(released)
         # Left unsent without an error: the lease ran out (may_publish).
         withheld = [m.job_id for m in todo if m.job_id not in rejected]
         return PublishResult(
@@ -330,6 +335,8 @@ class KombuDispatcher(Dispatcher):
                 self._app,
                 hostname=self._settings.hostname,
                 send_sent_event=self._send_sent_event,
+                confirms=self._settings.publish_confirms,
+                confirm_timeout=self._settings.publish_confirm_timeout,
             )
             if conn.events is not None:
                 if isinstance(conn.channel, amqp.Channel):
@@ -512,6 +519,7 @@ class KombuDispatcher(Dispatcher):
         rejected: dict[uuid.UUID, str],
         allowed: Callable[[], bool],
         signals: PublishSignals | None = None,
+        released: list[uuid.UUID] | None = None,
     ) -> None:
         """Publish ``todo``, removing each job from it once it is known to be sent.
 
@@ -519,12 +527,15 @@ class KombuDispatcher(Dispatcher):
         job of a chunk whose pipeline executed; when a flush fails, the
         broker may or may not have applied that chunk, so its jobs stay in
         ``todo`` and are published again (a duplicate is acceptable, a loss
-        is not). On other transports (RabbitMQ) a job is sent once
+        is not). On RabbitMQ (py-amqp), with publisher confirms (the default
+        ``celery_sched_publish_confirms``), every job of a chunk the broker
+        confirmed; a chunk whose confirms are missing (timeout, connection
+        lost) stays in ``todo`` and is published again, and a nacked
+        message's job goes to ``released`` (not sent, not the job's fault).
+        With confirms off, or on another transport, a job is sent once
         ``basic_publish`` wrote it to the socket; a message lost after that
         (connection dropped before the broker read it) is recovered by the
-        reconciler after the visibility timeout. Set ``confirm_publish`` in
-        ``broker_transport_options`` to have every publish wait for the
-        broker's acknowledgement instead.
+        reconciler after the visibility timeout.
 
         A job whose own message cannot be published (not a broker failure)
         goes to ``rejected`` and is skipped by later attempts. A queue or
@@ -537,6 +548,8 @@ class KombuDispatcher(Dispatcher):
         ``after_task_publish`` once it counts as sent.
         """
         already_sent = len(sent)
+        if released is None:
+            released = []
         path = PublishPath.KOMBU
         try:
             conn = self._connect()
@@ -566,6 +579,7 @@ class KombuDispatcher(Dispatcher):
                     encode=self._amqp.properties,
                     reply_to=self._reply_to,
                     sent_events=self._amqp_events,
+                    released=released,
                 )
             else:
                 path_kombu.send(
@@ -575,8 +589,10 @@ class KombuDispatcher(Dispatcher):
                     rejected,
                     allowed,
                     signals,
-                    chunk=self._chunk if conn.batching else 1,
+                    # Publisher confirms are awaited per chunk.
+                    chunk=self._chunk if conn.batching or conn.confirms is not None else 1,
                     reply_to=self._reply_to,
+                    released=released,
                 )
         except TRANSIENT_ERRORS:
             self._reset()

@@ -51,6 +51,7 @@ def send(
     *,
     chunk: int,
     reply_to: str,
+    released: list[uuid.UUID],
 ) -> None:
     """Publish ``todo`` in chunks of ``chunk`` (1 without batch publishing),
     removing each job from it once it is known to be sent (see
@@ -68,6 +69,9 @@ def send(
     # Publishing to a missing exchange closes the channel, and RabbitMQ
     # drops what follows on it unread: check such exchanges first.
     check_exchanges = isinstance(channel, amqp.Channel)
+    # Publisher confirms (RabbitMQ): each published message with its tag.
+    confirms = conn.confirms
+    tagged: list[tuple[int, OutgoingMessage]] = []
     done = 0
     total = len(todo)
     try:
@@ -105,6 +109,8 @@ def send(
                             reply_to=reply_to,
                             **properties,
                         )
+                        if confirms is not None:
+                            tag = confirms.published
                         if events is not None:
                             send_sent_event(events, producer, message)
                     except TRANSIENT_ERRORS:
@@ -116,6 +122,9 @@ def send(
                             message.headers.get("task"),
                         )
                         rejected[message.job_id] = repr(exc)
+                    else:
+                        if confirms is not None:
+                            tagged.append((tag, message))
                 try:
                     batch.flush()
                 except BatchPublishError as exc:
@@ -126,9 +135,13 @@ def send(
                         [m.job_id for m in todo[done:end] if m.job_id not in rejected],
                         f"Redis refused a publish batch: {cause}",
                     ) from exc
-                record_sent(todo[done:end], rejected, sent)
+                taken = todo[done:end]
+                if confirms is not None:
+                    taken = confirms.settle(taken, tagged, released)
+                    tagged.clear()
+                record_sent(taken, rejected, sent)
                 if signals is not None:
-                    announce_sent(todo[done:end], rejected)
+                    announce_sent(taken, rejected)
                 done = end
     finally:
         del todo[:done]

@@ -302,7 +302,9 @@ class RabbitMQBackend(KombuBackend):
     drops_expired_messages = True
 
     def messages_per_check(self, chunk: int) -> int:
-        return 1  # py-amqp publishes one message at a time
+        # A chunk awaits its publisher confirms (the default); without them
+        # py-amqp publishes one message at a time.
+        return chunk if self._settings().publish_confirms else 1
 
 
 @pytest.fixture(params=["memory", "redis", "amqp"])

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu import Queue
 from kombu.serialization import dumps
 from kombu.utils.encoding import safe_repr
 
-from celery_sched.dispatch import path_redis
+from celery_sched.dispatch import path_redis, sent_events
 from celery_sched.dispatch.fast_path import PublishPath
 from celery_sched.dispatch.kombu import KombuDispatcher
 from celery_sched.models import Job, JobStatus
@@ -694,3 +695,53 @@ def test_the_options_a_task_declares_reach_the_message(
         assert message.headers["timelimit"] == [None, None]
         # The broker's TTL says the same (RabbitMQ drops the message then).
         assert message.properties["expiration"] == str(seconds * 1000)
+
+
+@pytest.mark.parametrize(
+    ("fast_publish", "events"),
+    [("auto", None), ("off", None), ("auto", "fast"), ("auto", "kombu"), ("off", "kombu")],
+)
+def test_rabbitmq_nacks_release_exactly_the_refused_jobs(
+    amqp_url: str,
+    unique_name: str,
+    fast_publish: str,
+    events: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With publisher confirms (the default), a message RabbitMQ nacks (a
+    queue full with ``x-overflow: reject-publish``) is not sent: its job is
+    reported failed (released), and only the confirmed ones count as sent;
+    also with task-sent events interleaved on the channel, written by the
+    fast path or by Celery's event dispatcher."""
+    name = f"celery_sched_nack_{unique_name}"
+    app = Celery("nack_test", broker=amqp_url)
+    app.conf.task_send_sent_event = events is not None
+    if events == "kombu":
+        # A sample event that differs sends the events through Kombu.
+        original = sent_events.AmqpSentEvents.body
+        monkeypatch.setattr(
+            sent_events.AmqpSentEvents, "body", lambda self, *a: original(self, *a) + b" "
+        )
+    app.conf.task_queues = [
+        Queue(name, queue_arguments={"x-max-length": 7, "x-overflow": "reject-publish"})
+    ]
+    settings = Settings(hostname="celery_sched@nack-test", fast_publish=fast_publish)
+    assert settings.publish_confirms
+    dispatcher = KombuDispatcher(app, settings, chunk=4)
+    jobs = [make_job(RECORD_TASK, (i,), options={"queue": name}) for i in range(12)]
+    try:
+        result = dispatcher.publish(jobs, epoch=1, now=dt.datetime.now(dt.UTC))
+        expected_path = PublishPath.AMQP if fast_publish == "auto" else PublishPath.KOMBU
+        assert dispatcher.publish_path is expected_path
+        if events is not None:
+            expected_events = PublishPath.AMQP if events == "fast" else PublishPath.KOMBU
+            assert dispatcher.sent_events_path is expected_events
+        assert result.sent == [job.id for job in jobs[:7]]
+        assert result.failed == [job.id for job in jobs[7:]]
+        assert not result.rejected and not result.withheld
+        got = [message.headers["id"] for message in take(app, name)]
+        assert got == [str(job.id) for job in jobs[:7]]
+    finally:
+        dispatcher.close()
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_delete(name)

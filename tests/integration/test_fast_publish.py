@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_sched.dispatch import fast_path
-from celery_sched.dispatch.amqp_wire import PropertiesEncoder
+from celery_sched.dispatch.amqp_wire import PropertiesEncoder, PublishFrames
 from celery_sched.dispatch.fast_path import PublishPath
 from celery_sched.dispatch.kombu import KombuDispatcher
 from celery_sched.models import Job
@@ -232,3 +232,31 @@ def test_a_sample_mismatch_falls_back_with_one_warning(
     [warning] = warnings_of(caplog)
     assert "a sample message differs from Kombu's" in warning
     assert_arrived(app, first + second)
+
+
+def test_wrong_publish_frames_fall_back_to_kombu(
+    app: Celery, transport: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The py-amqp path writes a chunk's frames itself: frames that differ
+    from py-amqp's own by one byte (here the frame-end octet) are never used."""
+    if transport != "amqp":
+        pytest.skip("the frames are py-amqp's")
+    frames = PublishFrames.frames
+
+    def wrong_frames(self: PublishFrames, *args: Any) -> bytes:
+        data = frames(self, *args)
+        return data[:-1] + b"\x00"
+
+    monkeypatch.setattr(PublishFrames, "frames", wrong_frames)
+    caplog.set_level(logging.WARNING, logger="celery_sched.dispatch.kombu")
+    dispatcher = KombuDispatcher(app, Settings(hostname="celery_sched@test"))
+    now = dt.datetime.now(dt.UTC)
+    batch = jobs(now)
+    try:
+        publish(dispatcher, batch, now)
+    finally:
+        dispatcher.close()
+    assert dispatcher.publish_path is PublishPath.KOMBU
+    [warning] = warnings_of(caplog)
+    assert "publish frames" in warning
+    assert_arrived(app, batch)

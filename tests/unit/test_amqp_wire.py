@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import types
 import uuid
 from typing import Any
 
 import amqp
 import pytest
+from amqp import spec
 from amqp.exceptions import FrameSyntaxError
+from amqp.method_framing import frame_writer
+from amqp.serialization import dumps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder
+from celery_sched.dispatch.amqp_wire import EncodedMessage, PropertiesEncoder, PublishFrames
 from celery_sched.models import Job, JobStatus
 from celery_sched.protocol import base_headers, message_headers
 from celery_sched.timeutil import to_bucket
@@ -139,3 +143,41 @@ def test_numbers_at_the_type_boundaries_match_py_amqp(value: Any) -> None:
     )
     properties["headers"] = {"n": value, "in": [value], "deep": {"n": value}}
     assert PropertiesEncoder().properties(**properties) == theirs(**properties)
+
+
+def _py_amqp_publish_bytes(
+    frame_max: int, channel_id: int, exchange: str, routing_key: str, message: amqp.Message
+) -> bytes:
+    """What py-amqp's own frame writer writes for ``basic_publish``."""
+    written: list[bytes] = []
+    transport = types.SimpleNamespace(write=lambda data: written.append(bytes(data)))
+    connection = types.SimpleNamespace(frame_max=frame_max, bytes_sent=0)
+    args = dumps("Bssbb", (0, exchange, routing_key, False, False))
+    frame_writer(connection, transport)(1, channel_id, spec.Basic.Publish, args, message)
+    return b"".join(written)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    frame_max=st.sampled_from([131072, 4096, 512, 64]),
+    channel_id=st.integers(1, 65535),
+    exchange=st.text(max_size=30),
+    routing_key=st.text(max_size=60),
+    body=st.binary(max_size=3000),
+    headers=st.dictionaries(_names, _scalars, max_size=5),
+)
+def test_publish_frames_match_py_amqp(
+    frame_max: int,
+    channel_id: int,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    headers: dict[str, Any],
+) -> None:
+    message = amqp.Message(
+        body, content_type="application/json", application_headers=headers, delivery_mode=2
+    )
+    ours = PublishFrames(channel_id, frame_max).frames(
+        exchange, routing_key, message._serialize_properties(), body
+    )
+    assert ours == _py_amqp_publish_bytes(frame_max, channel_id, exchange, routing_key, message)
