@@ -33,7 +33,7 @@ batch.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import contextvars
 import dataclasses
 import datetime as dt
@@ -560,6 +560,11 @@ class PreparedMessage(Protocol):
     def expiration(self) -> float | None: ...
 
 
+_orjson_dumps = orjson.dumps
+_ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS
+_b64encode = binascii.b2a_base64
+
+
 def _dumps(value: Any) -> bytes:
     """JSON of ``value`` for a Redis message envelope.
 
@@ -616,53 +621,65 @@ class RedisEnvelopes:
 
     def __init__(self, reply_to: str) -> None:
         self._reply_to = _dumps(reply_to)
-        self._tags = DeliveryTags()
-        self._heads: dict[tuple[str, str], bytes] = {}
-        self._properties: dict[tuple[int, int], bytes] = {}
+        # DeliveryTags, inlined: one call less per message.
+        self._tag = uuid.uuid4().hex.encode() + b"-%d"
+        self._counter = itertools.count()
+        #: What a message's encoding, type, route and priority share: the
+        #: parts before its headers and between its headers and task id.
+        self._shared: dict[tuple[str, str, int, int], tuple[bytes, bytes]] = {}
 
     def encode(self, message: PreparedMessage, priority: int) -> bytes:
-        head_key = (message.content_encoding, message.content_type)
-        head = self._heads.get(head_key)
-        if head is None:
-            head = self._heads[head_key] = (
-                envelope_head(message.content_encoding, message.content_type) + b',"headers":'
-            )
         route = message.route
         # Routes are cached by the dispatcher and outlive this call.
-        properties_key = (id(route), priority)
-        properties = self._properties.get(properties_key)
-        if properties is None:
-            properties = self._properties[properties_key] = b"".join(
-                (
-                    b',"properties":{"reply_to":',
-                    self._reply_to,
-                    b',"delivery_mode":',
-                    _dumps(route.delivery_mode),
-                    b',"delivery_info":',
-                    _dumps({"exchange": "", "routing_key": route.routing_key}),
-                    b',"priority":',
-                    _dumps(priority),
-                    b',"body_encoding":"base64","correlation_id":',
-                )
-            )
+        shared_key = (message.content_encoding, message.content_type, id(route), priority)
+        shared = self._shared.get(shared_key)
+        if shared is None:
+            shared = self._shared[shared_key] = self._shared_parts(message, route, priority)
+        head, properties = shared
         expiration = b""
         if message.expiration is not None:
             milliseconds = int(max(message.expiration, 0.0) * 1000)
             expiration = b',"expiration":"%d"' % milliseconds
+        try:
+            # _dumps, inlined (a frame less per message for each of the two).
+            headers = _orjson_dumps(message.headers, option=_ORJSON_OPTIONS)
+            task_id = _orjson_dumps(message.task_id)
+        except TypeError:
+            headers = json.dumps(message.headers).encode()
+            task_id = json.dumps(message.task_id).encode()
         return b"".join(
             (
                 b'{"body":"',
-                base64.b64encode(message.body),
+                _b64encode(message.body, newline=False),
                 head,
-                _dumps(message.headers),
+                headers,
                 properties,
-                _dumps(message.task_id),
+                task_id,
                 expiration,
                 b',"delivery_tag":"',
-                self._tags.next(),
+                self._tag % next(self._counter),
                 b'"}}',
             )
         )
+
+    def _shared_parts(
+        self, message: PreparedMessage, route: Destination, priority: int
+    ) -> tuple[bytes, bytes]:
+        head = envelope_head(message.content_encoding, message.content_type) + b',"headers":'
+        properties = b"".join(
+            (
+                b',"properties":{"reply_to":',
+                self._reply_to,
+                b',"delivery_mode":',
+                _dumps(route.delivery_mode),
+                b',"delivery_info":',
+                _dumps({"exchange": "", "routing_key": route.routing_key}),
+                b',"priority":',
+                _dumps(priority),
+                b',"body_encoding":"base64","correlation_id":',
+            )
+        )
+        return head, properties
 
 
 # -- compression ---------------------------------------------------------------------
