@@ -10,6 +10,14 @@ passive ``queue_declare`` on RabbitMQ) is sampled every 20 ms, and
 
 ``jobs.dispatched_at`` (claim time, Postgres clock) gives a second figure.
 
+On Redis, each run then takes the reference of issue #31: the envelopes the
+beat wrote are read back from the queue (``LRANGE``), the queue is emptied,
+and the very same envelopes are written again by a raw redis-py pipeline, one
+``LPUSH`` per envelope, executed every ``--batch-size`` envelopes (no claim,
+no encoding: the floor of a Python client writing these bytes). Its rate is
+envelopes / (last pipeline's reply - start), and each run's ratio is ours
+over it, both taken in that run; the beat's CPU per job stands beside it.
+
 In the same invocation, stock ``celery beat`` (PersistentScheduler, schedule
 file in a temp dir) and ``celery-redbeat`` get ``beat_schedule``s of the same
 sizes (``--legacy-sizes``, default: --jobs and 5,000), every entry due at
@@ -23,7 +31,8 @@ median at the same size.
         [--legacy-sizes 200000 5000] [--legacy-runs 3] [--window 30] [--no-legacy] [--analyze]
         [--metrics off|on|ab]
 
-Targets (Redis): >= 10,000 jobs/s and >= 25x celery-redbeat's rate.
+Targets (Redis): >= 10,000 jobs/s, >= 25x celery-redbeat's rate, >= 0.5x the
+raw pipelined LPUSH of the same envelopes, and beat CPU <= 12 us per job.
 The last line printed is one JSON object.
 """
 
@@ -31,11 +40,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import threading
 import time
 import urllib.request
 from typing import Any
 
+import redis
 from _common import (
     CpuSampler,
     QueueDepth,
@@ -56,6 +67,10 @@ from tests.e2e.harness import free_port
 
 TARGET_RATE = 10_000.0
 TARGET_RATIO_REDBEAT = 25.0
+#: Issue #31, target 2: our rate against a raw pipelined LPUSH of the same
+#: envelopes, and the beat's CPU per job.
+TARGET_RATIO_RAW_LPUSH = 0.5
+TARGET_BEAT_CPU_US = 12.0
 
 LEGACY_SCHEDULERS = {
     "beat": "celery.beat:PersistentScheduler",
@@ -79,6 +94,43 @@ def schedule_due_now(run: Run, jobs: int, *, analyze: bool = False) -> float:
     if analyze:
         run.execute("ANALYZE {s}.jobs")
     return time.perf_counter() - started
+
+
+def raw_lpush(redis_url: str, queue: str, batch_size: int) -> dict[str, Any]:
+    """Write the envelopes now in ``queue`` again with a raw pipelined ``LPUSH``.
+
+    Reads them (oldest first), empties the queue, then LPUSHes each envelope
+    on its own through a redis-py pipeline executed every ``batch_size``
+    envelopes, and returns the rate and the client's CPU per envelope.
+    """
+    client = redis.Redis.from_url(redis_url)
+    try:
+        envelopes: list[bytes] = []
+        page = 10_000
+        length = client.llen(queue)
+        for start in range(0, length, page):
+            envelopes.extend(client.lrange(queue, -start - page, -start - 1)[::-1])
+        client.delete(queue)
+        started = time.perf_counter()
+        cpu_started = time.process_time()
+        pipe = client.pipeline(transaction=False)
+        for at in range(0, len(envelopes), batch_size):
+            for envelope in envelopes[at : at + batch_size]:
+                pipe.lpush(queue, envelope)
+            pipe.execute()
+        seconds = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
+        written = client.llen(queue)
+        client.delete(queue)
+    finally:
+        client.close()
+    if written != len(envelopes):
+        raise SystemExit(f"raw LPUSH wrote {written} of {len(envelopes)} envelopes")
+    return {
+        "envelopes": len(envelopes),
+        "per_s": round(len(envelopes) / seconds, 1) if envelopes else None,
+        "client_cpu_us_per_job": round(cpu / len(envelopes) * 1e6, 2) if envelopes else None,
+    }
 
 
 class Scraper:
@@ -141,6 +193,16 @@ def run_ours(
         startup = samples[0][0] - started if samples else None
         first, last, dispatched = run.dispatched_span()
         beat.stop()
+        raw = None
+        if run.broker.startswith(("redis://", "rediss://")) and rate.get("complete"):
+            raw = raw_lpush(run.broker, run.queue, batch_size)
+            progress(
+                "run %d: raw pipelined LPUSH of the same %d envelopes: %.0f/s (ratio %.2f)",
+                index,
+                raw["envelopes"],
+                raw["per_s"],
+                rate["per_s"] / raw["per_s"],
+            )
         pg_rate = None
         if first is not None and last is not None and last > first:
             pg_rate = dispatched / (last - first).total_seconds()
@@ -170,6 +232,10 @@ def run_ours(
             "beat_cpu_us_per_job": rounded(cpu_per_job, 1),
             "pg_dispatched": dispatched,
             "pg_dispatched_span_per_s": None if pg_rate is None else round(pg_rate, 1),
+            "raw_lpush": raw,
+            "ratio_vs_raw_lpush": (
+                round(rate["per_s"] / raw["per_s"], 3) if raw and raw["per_s"] else None
+            ),
         }
     finally:
         run.cleanup()
@@ -245,6 +311,8 @@ def main() -> None:
     rates = [r["per_s"] for r in ours if r.get("complete")]
     our_rate = median(rates) if len(rates) == len(ours) else None
     beat_cpu = [r["beat_cpu_us_per_job"] for r in ours if r["beat_cpu_us_per_job"] is not None]
+    raw_ratios = [r["ratio_vs_raw_lpush"] for r in ours if r["ratio_vs_raw_lpush"] is not None]
+    raw_rates = [r["raw_lpush"]["per_s"] for r in ours if r["raw_lpush"]]
 
     legacy: dict[str, dict[str, Any]] = {}
     sizes = [] if ns.no_legacy else (ns.legacy_sizes or [ns.jobs, 5_000])
@@ -276,6 +344,12 @@ def main() -> None:
             if not redbeat_ratios or not on_redis
             else min(redbeat_ratios) >= TARGET_RATIO_REDBEAT
         ),
+        "ratio_vs_raw_lpush": (
+            None if not raw_ratios else statistics.median(raw_ratios) >= TARGET_RATIO_RAW_LPUSH
+        ),
+        "beat_cpu_us_per_job": (
+            None if not beat_cpu else statistics.median(beat_cpu) <= TARGET_BEAT_CPU_US
+        ),
     }
     emit(
         {
@@ -291,11 +365,20 @@ def main() -> None:
             "pg_dispatched_span_per_s": rounded(
                 median([r["pg_dispatched_span_per_s"] or 0.0 for r in ours]), 1
             ),
+            # Each run's rate over its own raw LPUSH reference; the median of those.
+            "raw_lpush_per_s": rounded(median(raw_rates), 1) if raw_rates else None,
+            "ratio_vs_raw_lpush": rounded(median(raw_ratios), 3) if raw_ratios else None,
+            "runs_ratio_vs_raw_lpush": raw_ratios,
             "run_details": ours,
             "legacy_window_s": ns.window,
             "legacy": legacy,
             "ratio": ratios,
-            "targets": {"jobs_per_s": TARGET_RATE, "ratio_vs_redbeat": TARGET_RATIO_REDBEAT},
+            "targets": {
+                "jobs_per_s": TARGET_RATE,
+                "ratio_vs_redbeat": TARGET_RATIO_REDBEAT,
+                "ratio_vs_raw_lpush": TARGET_RATIO_RAW_LPUSH,
+                "beat_cpu_us_per_job": TARGET_BEAT_CPU_US,
+            },
             "met": met,
             "load_avg_1m_start": load_start,
             "load_avg_1m_end": load_avg(),

@@ -83,6 +83,6 @@ def record_sent(
 ) -> None:
     """Count the jobs of a chunk the broker took as sent, except the rejected ones."""
     if rejected:
-        sent.extend(m.job_id for m in chunk if m.job_id not in rejected)
+        sent.extend([m.job_id for m in chunk if m.job_id not in rejected])
     else:
-        sent.extend(m.job_id for m in chunk)
+        sent.extend([m.job_id for m in chunk])

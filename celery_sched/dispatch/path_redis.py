@@ -99,20 +99,35 @@ def send(
                 if sent_events is not None:
                     published = []
                     sent_events.begin(utcoffset())
+                # What messages of one route and priority share, looked up
+                # once per chunk: the route's declaration, the clamped
+                # priority and the list the messages go to.
+                slots: dict[tuple[int, Any], tuple[int, list[bytes]]] = {}
                 for index in range(done, end):
                     message = todo[index]
                     if rejected and message.job_id in rejected:
                         continue
                     route = message.route
-                    entity = route.declare
-                    if entity is not None and entity not in declared:
-                        conn.declare(route, todo, index)
+                    slot_key = (id(route), message.priority)
+                    slot = slots.get(slot_key)
                     try:
+                        if slot is None:
+                            entity = route.declare
+                            if entity is not None and entity not in declared:
+                                conn.declare(route, todo, index)
+                            priority = message.priority or 0
+                            priority = max(min(int(priority), max_priority), min_priority)
+                            list_key = (route.routing_key, priority)
+                            key = keys.get(list_key)
+                            if key is None:
+                                key = keys[list_key] = q_for_pri(route.routing_key, priority)
+                            payloads = lists.get(key)
+                            if payloads is None:
+                                payloads = lists[key] = []
+                            slot = slots[slot_key] = (priority, payloads)
                         if signals is not None and message.announced is None:
                             announce(signals, message)
-                        priority = message.priority or 0
-                        priority = max(min(int(priority), max_priority), min_priority)
-                        payload = envelope(message, priority)
+                        payload = envelope(message, slot[0])
                         if sent_events is not None:
                             event = encode_event(message, forward(), time.time())
                             if topic is not None:
@@ -127,15 +142,9 @@ def send(
                         )
                         rejected[message.job_id] = f"cannot encode the message: {exc!r}"
                         continue
-                    list_key = (route.routing_key, priority)
-                    key = keys.get(list_key)
-                    if key is None:
-                        key = keys[list_key] = q_for_pri(route.routing_key, priority)
-                    payloads = lists.get(key)
-                    if payloads is None:
-                        lists[key] = [payload]
-                    else:
-                        payloads.append(payload)
+                    slot[1].append(payload)
+                # A list of a failed slot may be empty: it is not written.
+                lists = {key: payloads for key, payloads in lists.items() if payloads}
                 if published:
                     refused = push(client, lists, published)
                 else:

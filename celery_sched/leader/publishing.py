@@ -36,6 +36,7 @@ duty that published, the claim unrecorded.
 from __future__ import annotations
 
 import logging
+import operator
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
     from celery_sched.models import Job
 
 logger = logging.getLogger(__name__)
+
+_due_at = operator.attrgetter("due_at")
+_claim_id = operator.attrgetter("claim_id")
 
 
 class Publisher:
@@ -93,7 +97,9 @@ class Publisher:
         now = self._store_clock.now()
         # Where the batch's rows are: every settling write names its jobs by
         # id within these due times (one partition, mostly).
-        due = DueSpan.of(job.due_at for job in jobs)
+        claimed = jobs
+        claimed_dues = list(map(_due_at, jobs))
+        due = DueSpan.of(claimed_dues)
         jobs = self._late.drop_missed(jobs, epoch, now)
         # A leader paused between claim and publish for longer than its
         # lease must not publish: a successor may have requeued and sent
@@ -116,7 +122,7 @@ class Publisher:
             # Once per batch: when the batch's publish returned, by the
             # store's clock.
             if len(sent) == len(jobs):
-                dues = [job.due_at for job in jobs]
+                dues = claimed_dues if jobs is claimed else list(map(_due_at, jobs))
             else:
                 ids = set(sent)
                 dues = [job.due_at for job in jobs if job.id in ids]
@@ -158,7 +164,8 @@ class Publisher:
             raise PublishError(f"broker unavailable: {len(result.failed)} jobs not published")
 
     def _record_published(self, jobs: Sequence[Job]) -> None:
-        claims = {job.claim_id for job in jobs if job.claim_id is not None}
+        claims = set(map(_claim_id, jobs))
+        claims.discard(None)
         try:
             self._store.record_published(sorted(claims), shard=self._shard)
         except StoreError as exc:

@@ -142,3 +142,27 @@ def test_the_time_limits_a_task_declares_match_what_celery_sends() -> None:
     own = dataclasses.replace(job, options={"time_limit": 10})  # type: ignore[type-var]
     ours = message_headers(base, own, str(job.id), defaults=defaults)  # type: ignore[attr-defined]
     assert ours["timelimit"] == [10, 3]
+
+
+def test_the_due_header_is_each_jobs_own_due_time_across_the_shared_cache() -> None:
+    # Due times are formatted once and kept: jobs sharing one get the same
+    # text, a different instant (or the same instant in another zone, which
+    # compares equal) never gets another's, and a full cache starts over.
+    job, _ = _stored(_app())
+    base = base_headers(origin="celery_sched@test", epoch=1)
+    due = dt.datetime(2030, 1, 1, 12, 0, 0, 5, tzinfo=dt.UTC)
+    shared = [dataclasses.replace(job, due_at=due) for _ in range(3)]
+    assert {message_headers(base, j, str(j.id))[DUE_HEADER] for j in shared} == {due.isoformat()}
+    later = due + dt.timedelta(microseconds=1)
+    moved = dataclasses.replace(job, due_at=later)
+    assert message_headers(base, moved, str(job.id))[DUE_HEADER] == later.isoformat()
+    paris = due.astimezone(dt.timezone(dt.timedelta(hours=1)))
+    elsewhere = object.__new__(type(job))
+    for field in dataclasses.fields(job):
+        object.__setattr__(elsewhere, field.name, getattr(job, field.name))
+    object.__setattr__(elsewhere, "due_at", paris)
+    assert message_headers(base, elsewhere, str(job.id))[DUE_HEADER] == paris.isoformat()
+    for minute in range(5000):
+        step = dataclasses.replace(job, due_at=due + dt.timedelta(minutes=minute))
+        text = message_headers(base, step, str(job.id))[DUE_HEADER]
+        assert text == step.due_at.isoformat()
