@@ -62,7 +62,7 @@ TARGET_P99_MS = 20.0
 
 #: Keyless filler, as ``schedule_many`` writes jobs given no key: key NULL and
 #: a version-7 id (time-ordered, from the due time here), which takes no
-#: ``job_keys`` entry (``store/postgres/keys.py``; migration 0014 refuses a
+#: ``job_keys`` entry (``celery_sched/store/postgres/keys.py``; migration 0014 refuses a
 #: raw writer's row that would need one and has none).
 FUTURE_SQL = """
 INSERT INTO {s}.jobs (id, key, task, body, content_type, content_encoding, argsrepr,

@@ -19,7 +19,7 @@ import datetime as dt
 from typing import Any
 
 import redis
-from celery.schedules import crontab
+from celery.schedules import ParseException, crontab
 
 from celery_sched.errors import InvalidImport
 from celery_sched.redisconn import build_client
@@ -124,7 +124,7 @@ def _schedule(value: Any, app: Any) -> tuple[object, bool]:
         fields = {key: item for key, item in value.items() if key != "__type__"}
         try:
             return crontab(app=app, **fields), False
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, ParseException) as exc:
             raise ValueError(f"invalid crontab {fields}: {exc}") from None
     if kind == "interval":
         every = value.get("every")

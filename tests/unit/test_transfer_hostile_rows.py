@@ -468,3 +468,13 @@ def check(entries: list[ScheduleEntry | Skipped]) -> None:
         schedule = entry.fields["schedule"]
         if isinstance(schedule, float):
             assert math.isfinite(schedule) and schedule > 0
+
+
+def test_a_redbeat_crontab_that_celery_cannot_parse_is_refused_with_its_reason() -> None:
+    # Celery's crontab parser raises ParseException (not a ValueError) for an
+    # empty field: the import names it and goes on with the next entry.
+    definition = {"name": "x", "task": "t", "schedule": {"__type__": "crontab", "minute": ""}}
+    entry = redbeat.entry_of("redbeat:x", "x", as_json_line(definition), set(), APP)
+    assert isinstance(entry, Skipped)
+    assert "invalid crontab" in entry.reason and "empty part" in entry.reason
+    one_line(entry.reason)
