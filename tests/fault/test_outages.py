@@ -54,10 +54,11 @@ def test_redis_flushall_mid_run_delays_but_loses_nothing(
 def test_broker_stopped_for_ten_seconds_mid_run(
     amqp_url: str, make_cluster: Any, e2e_settings: Any
 ) -> None:
-    # Messages written to the socket as the broker goes down can be lost
-    # without an error (no publisher confirms): they stay `dispatched` and the
-    # reconciler sends them again after the visibility timeout, shortened
-    # here so that recovery happens within the test.
+    # A chunk unconfirmed as the broker goes down is published again; with
+    # publisher confirms off, messages written to the socket then can be lost
+    # without an error: they stay `dispatched` and the reconciler sends them
+    # again after the visibility timeout, shortened here so that recovery
+    # happens within the test either way.
     settings = dataclasses.replace(e2e_settings, visibility_timeout=30.0)
     cluster = make_cluster(amqp_url, settings)
     cluster.start_worker()
