@@ -373,8 +373,10 @@ class Engine:
         # on their own schedules: a job the broker lost is requeued even
         # while every publish fails.
         if now >= self._next_reconcile:
-            ok, _ = self._duty("reconcile", self._reconciler.run, epoch)
-            self._next_reconcile = now + self._reconciler.interval
+            ok, reconciling = self._duty("reconcile", self._reconciler.run, epoch)
+            # A pass cut into slices goes on right after dispatching.
+            self._next_reconcile = now if reconciling else now + self._reconciler.interval
+            more = more or bool(reconciling)
             clean = clean and ok
             timings.append(("reconcile", self._clock()))
         if now >= self._next_rescue:

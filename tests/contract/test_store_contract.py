@@ -497,6 +497,35 @@ def test_reconcile_requeues_past_visibility_timeout(store: JobStore) -> None:
     assert status_of(store, "patient") is JobStatus.PENDING
 
 
+def test_reconcile_requeues_each_timeout_when_it_runs_out(store: JobStore) -> None:
+    # Jobs with a timeout of their own, shorter and longer than the
+    # default, and jobs without one, each requeued once (and only once)
+    # their own timeout ran out, whatever the others' (the store reads them
+    # by when they go stale, issue #31); another shard's jobs are left.
+    tracked(store)
+    now = store.now()
+    kinds = {"short": 0.2, "default": None, "long": 2.0}
+    for name, timeout in kinds.items():
+        store.add_job(new_job(name, now - 5 * SECOND, visibility_timeout=timeout))
+        store.add_job(new_job(f"{name}-1", now - 5 * SECOND, visibility_timeout=0.01, shard=1))
+    epoch = leader(store)
+    assert len(store.claim_due(shard=0, epoch=epoch, limit=10)) == 3
+    other = leader(store, 1)
+    assert len(store.claim_due(shard=1, epoch=other, limit=10)) == 3
+    claimed = time.monotonic()
+
+    def requeued_after(seconds: float) -> set[str]:
+        time.sleep(max(claimed + seconds - time.monotonic(), 0))
+        store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=1.0)
+        return {name for name in kinds if status_of(store, name) is JobStatus.PENDING}
+
+    assert requeued_after(0.5) == {"short"}
+    assert requeued_after(1.4) == {"short", "default"}
+    assert requeued_after(2.4) == {"short", "default", "long"}
+    assert all(store.get(name).attempt == 1 for name in kinds)  # type: ignore[union-attr]
+    assert {status_of(store, f"{name}-1") for name in kinds} == {JobStatus.DISPATCHED}
+
+
 def test_a_job_no_worker_tracks_is_marked_sent_not_requeued(store: JobStore) -> None:
     # #15 (1): workers without tracking report nothing; a requeue of their
     # job could only run it twice. It was sent once, as stock beat sends it.

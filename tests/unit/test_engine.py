@@ -871,6 +871,44 @@ def test_the_reconciler_drains_in_batches_and_counts_what_moved_before_a_takeove
     assert (stats.requeued, stats.dead) == (2, 0)
 
 
+def test_the_leaders_reconciler_moves_a_pass_in_slices_one_per_loop_pass(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #31: one transaction of ``limit`` (here 500) stale rows held
+    the single-threaded loop, and every claim, for its whole length; the
+    leader moves a pass in slices of SLICE, the next right after the
+    dispatching of the next loop pass, and the pass still ends at ``limit``."""
+    from celery_sched.leader.reconciler import SLICE
+
+    ids = [rig.add(-1) for _ in range(2 * SLICE + 150)]
+    old = rig.store.acquire_epoch(0, "before")
+    assert len(rig.store.claim_due(shard=0, epoch=old, limit=1000)) == len(ids)
+    rig.clock.advance(rig.settings.visibility_timeout + 1)
+    calls: list[int] = []
+    real_reconcile = rig.store.reconcile
+
+    def reconcile(**kwargs: Any) -> Any:
+        calls.append(kwargs["limit"])
+        return real_reconcile(**kwargs)
+
+    monkeypatch.setattr(rig.store, "reconcile", reconcile)
+    elector = rig.elector("a")
+    elector.try_acquire()
+    engine = rig.engine(elector)
+    delays = [engine.step() for _ in range(3)]  # the clock stands still
+    assert calls == [SLICE, SLICE, 500 - 2 * SLICE]  # the pass: 500 rows
+    assert delays[:2] == [0.0, 0.0]  # each slice full: the loop goes on at once
+    assert engine.stats.requeued == 500
+    engine.step()
+    assert len(calls) == 3  # the next pass waits for the interval
+    rig.clock.advance(rig.settings.reconcile_interval)
+    elector.renew()
+    engine.step()
+    assert calls[3:] == [SLICE]
+    assert engine.stats.requeued == len(ids)
+    assert all(rig.store.get_by_id(i).attempt == 1 for i in ids)  # type: ignore[union-attr]
+
+
 class LegacyStaging(FlakyStaging):
     """Staging that counts the retirements of the set of beats before hash tags."""
 

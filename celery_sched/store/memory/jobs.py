@@ -492,7 +492,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
     def reconcile(
         self, *, shard: int, epoch: int, limit: int, default_visibility_timeout: float
     ) -> ReconcileResult:
-        """Stale dispatched jobs first (oldest dispatch first; requeued when
+        """Stale dispatched jobs first (those that went stale first; requeued when
         a worker tracks their task, then the others marked sent), then
         retrying jobs whose retry is overdue (oldest due first), then running
         jobs past their max_runtime, ``limit`` rows in all. ``timed_out``
@@ -502,7 +502,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
             self._check_epoch(shard, epoch)
             now = self.now()
             limit = max(limit, 0)
-            stale: list[Job] = []
+            stale: list[tuple[dt.datetime, Job]] = []
             retries: list[Job] = []
             overran: list[Job] = []
             for job in self._jobs.values():
@@ -517,9 +517,13 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                         if job.visibility_timeout is not None
                         else default_visibility_timeout
                     )
-                    if job.dispatched_at < now - dt.timedelta(seconds=timeout):
+                    stale_at = job.dispatched_at + dt.timedelta(seconds=timeout)
+                    if stale_at < now:
                         # A retrying job's dispatched_at is when its retry is due.
-                        (stale if job.status == JobStatus.DISPATCHED else retries).append(job)
+                        if job.status == JobStatus.DISPATCHED:
+                            stale.append((stale_at, job))
+                        else:
+                            retries.append(job)
                 elif (
                     job.status == JobStatus.RUNNING
                     and job.max_runtime is not None
@@ -527,19 +531,20 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                     and job.started_at < now - dt.timedelta(seconds=job.max_runtime)
                 ):
                     overran.append(job)
-            stale.sort(key=lambda job: (job.dispatched_at, str(job.id)))
+            # As PostgreSQL reads them (jobs_dispatched_idx): stale soonest first.
+            stale.sort(key=lambda pair: (pair[0], str(pair[1].id)))
             retries.sort(key=lambda job: (job.dispatched_at, str(job.id)))
             overran.sort(key=lambda job: (job.started_at, str(job.id)))
             # Requeued: tracked, or never published (it cannot run twice).
             untracked = [
-                job for job in stale if not self._tracked(job.task) and self._went_out(job)
+                job for _, job in stale if not self._tracked(job.task) and self._went_out(job)
             ]
-            stale = [job for job in stale if self._tracked(job.task) or not self._went_out(job)][
-                :limit
-            ]
-            untracked = untracked[: limit - len(stale)]
-            retries = retries[: limit - len(stale) - len(untracked)]
-            overran = overran[: limit - len(stale) - len(untracked) - len(retries)]
+            requeued = [
+                job for _, job in stale if self._tracked(job.task) or not self._went_out(job)
+            ][:limit]
+            untracked = untracked[: limit - len(requeued)]
+            retries = retries[: limit - len(requeued) - len(untracked)]
+            overran = overran[: limit - len(requeued) - len(untracked) - len(retries)]
             for job in untracked:
                 self._update(
                     job,
@@ -549,7 +554,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                     "(celery_sched.tracking.install), so it is not sent again",
                 )
             dead = 0
-            for job in (*stale, *retries):
+            for job in (*requeued, *retries):
                 timeout = (
                     job.visibility_timeout
                     if job.visibility_timeout is not None
@@ -570,7 +575,7 @@ class MemoryJobs(MemoryStoreBase, Jobs):
                     f"{job.worker or 'an unknown worker'}",
                     started_at=None,
                 )
-            moved = len(stale) + len(retries) + len(overran)
+            moved = len(requeued) + len(retries) + len(overran)
             return ReconcileResult(
                 requeued=moved - dead, dead=dead, timed_out=len(overran), untracked=len(untracked)
             )
