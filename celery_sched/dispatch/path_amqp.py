@@ -41,9 +41,9 @@ from celery_sched.dispatch.outgoing import (
     announce_sent,
     record_sent,
 )
-from celery_sched.dispatch.path_kombu import send_sent_event
+from celery_sched.dispatch.path_kombu import reject, send_sent_event
 from celery_sched.dispatch.sent_events import ROUTING_KEY, AmqpSentEvents
-from celery_sched.protocol import KEY_HEADER, PublishSignals
+from celery_sched.protocol import PublishSignals
 
 logger = logging.getLogger(__name__)
 
@@ -178,12 +178,7 @@ def send(
             except TRANSIENT_ERRORS:
                 raise
             except Exception as exc:
-                logger.exception(
-                    "cannot publish job %s (task %s)",
-                    message.headers.get(KEY_HEADER),
-                    message.headers.get("task"),
-                )
-                rejected[message.job_id] = repr(exc)
+                reject(rejected, message, exc, logger)
             else:
                 tagged.append((tag, message))
         return out, tagged, count

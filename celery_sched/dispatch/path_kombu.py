@@ -116,12 +116,7 @@ def send(
                     except TRANSIENT_ERRORS:
                         raise
                     except Exception as exc:
-                        logger.exception(
-                            "cannot publish job %s (task %s)",
-                            message.headers.get(KEY_HEADER),
-                            message.headers.get("task"),
-                        )
-                        rejected[message.job_id] = repr(exc)
+                        reject(rejected, message, exc, logger)
                     else:
                         if confirms is not None:
                             tagged.append((tag, message))
@@ -145,6 +140,19 @@ def send(
                 done = end
     finally:
         del todo[:done]
+
+
+def reject(
+    rejected: dict[uuid.UUID, str], message: Any, exc: Exception, log: logging.Logger
+) -> None:
+    """Note that ``message`` cannot be published (its job is failed, not
+    retried: the message itself is at fault), with the traceback in ``log``."""
+    log.exception(
+        "cannot publish job %s (task %s)",
+        message.headers.get(KEY_HEADER),
+        message.headers.get("task"),
+    )
+    rejected[message.job_id] = repr(exc)
 
 
 def send_sent_event(
