@@ -69,7 +69,7 @@ def test_each_job_is_reconciled_exactly_when_its_own_timeout_ran_out(
     if tracking:
         tracked(store)
     now = store.now()
-    store.load_jobs(new_job(key, now - dt.timedelta(hours=2)) for key in CASES)
+    store.load_jobs(new_job(key, earlier_today(now, hours=2)) for key in CASES)
     dispatch(settings, CASES)
     epoch = store.acquire_epoch(0, "test")
     result = store.reconcile(shard=0, epoch=epoch, limit=100, default_visibility_timeout=300)
@@ -85,7 +85,7 @@ def test_the_limit_takes_those_stale_soonest_first(
 ) -> None:
     tracked(store)
     now = store.now()
-    store.load_jobs(new_job(key, now - dt.timedelta(hours=2)) for key in CASES)
+    store.load_jobs(new_job(key, earlier_today(now, hours=2)) for key in CASES)
     dispatch(settings, CASES)
     epoch = store.acquire_epoch(0, "test")
     # Stale since: long 10 s, default 1 s, short 1 s (dispatched 6 s ago, 5 s).
@@ -98,6 +98,15 @@ def test_the_limit_takes_those_stale_soonest_first(
             if key not in order and store.get(key).status is JobStatus.PENDING  # type: ignore[union-attr]
         ]
     assert order[0] == "long-stale" and set(order) == STALE
+
+
+def earlier_today(now: dt.datetime, **before: float) -> dt.datetime:
+    """``now`` less ``before``, but not before the start of now's UTC day: the
+    jobs stay in the partition that holds now whatever the time of day, so
+    no tiny partition of yesterday's makes a sequential scan the cheaper plan.
+    (Only due times: staleness is by ``dispatched_at``.)"""
+    day = now.astimezone(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return max(day, now - dt.timedelta(**before))
 
 
 def _buffers(store: PostgresJobStore, statement: str) -> tuple[int, str]:
@@ -127,11 +136,11 @@ def test_a_pass_reads_the_stale_rows_not_every_job_in_flight(
     now = store.now()
     store.load_jobs(
         new_job(
-            f"f{i}", now - dt.timedelta(minutes=5), task=f"{'tracked' if i % 2 else 'other'}.task"
+            f"f{i}", earlier_today(now, minutes=5), task=f"{'tracked' if i % 2 else 'other'}.task"
         )
         for i in range(IN_FLIGHT)
     )
-    store.load_jobs(new_job(key, now - dt.timedelta(hours=2)) for key in CASES)
+    store.load_jobs(new_job(key, earlier_today(now, hours=2)) for key in CASES)
     schema = settings.db_schema
     with psycopg.connect(settings.libpq_conninfo(), autocommit=True) as conn:
         # In flight, none stale: half with a timeout of their own (of every

@@ -75,10 +75,15 @@ def test_concurrent_claimers_get_disjoint_sets(store: PostgresJobStore, settings
 
 def test_claim_plan_uses_partial_pending_index(store: PostgresJobStore, settings: Settings) -> None:
     now = store.now()
-    store.load_jobs(
-        new_job(f"future-{i}", now + dt.timedelta(hours=1, seconds=i)) for i in range(30_000)
-    )
-    store.load_jobs(new_job(f"due-{i}", now - dt.timedelta(seconds=i)) for i in range(50))
+    # Every row in the day's partition that holds now: a claim's plan reads
+    # only the partitions up to now, so jobs due tomorrow (an hour ahead, late
+    # in the day) or yesterday would leave a partition too small for its
+    # index to be worth reading.
+    day = now.astimezone(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    left = day + dt.timedelta(days=1) - now
+    step = min(dt.timedelta(seconds=1), left * 0.9 / 30_000)
+    store.load_jobs(new_job(f"future-{i}", now + left * 0.05 + step * i) for i in range(30_000))
+    store.load_jobs(new_job(f"due-{i}", max(day, now - dt.timedelta(seconds=i))) for i in range(50))
     with raw_connect(settings) as conn:
         conn.execute(f'ANALYZE "{settings.db_schema}".jobs')
     plan = store.explain_claim(shard=0, limit=1000)
