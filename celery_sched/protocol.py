@@ -637,9 +637,7 @@ class RedisEnvelopes:
 
     def __init__(self, reply_to: str) -> None:
         self._reply_to = _dumps(reply_to)
-        # DeliveryTags, inlined: one call less per message.
-        self._tag = uuid.uuid4().hex.encode() + b"-%d"
-        self._counter = itertools.count()
+        self._tags = DeliveryTags()
         #: What a message's encoding, type, route and priority share: the
         #: parts before its headers and between its headers and task id.
         self._shared: dict[tuple[str, str, int, int], tuple[bytes, bytes]] = {}
@@ -675,7 +673,7 @@ class RedisEnvelopes:
                 task_id,
                 expiration,
                 b',"delivery_tag":"',
-                self._tag % next(self._counter),
+                self._tags.next(),
                 b'"}}',
             )
         )
