@@ -28,20 +28,13 @@ from celery_sched.store.partitions import parse_name
 from celery_sched.store.postgres import PostgresJobStore, bulk
 from tests.contract.conftest import new_job
 from tests.integration import cli_app
+from tests.integration.plans import assert_no_large_partition_read_whole
 from tests.integration.test_cli_schedules import sched
 
 pytestmark = pytest.mark.integration
 
 DAY = dt.timedelta(days=1)
 HOUR = dt.timedelta(hours=1)
-
-
-@pytest.fixture
-def store(settings: Settings) -> Iterator[PostgresJobStore]:
-    backend = PostgresJobStore(settings)
-    backend.migrate()
-    yield backend
-    backend.close()
 
 
 def raw(settings: Settings) -> psycopg.Connection[Any]:
@@ -146,9 +139,10 @@ def test_occurrences_take_free_keys_only_and_a_withdrawal_frees_them(
 def test_prune_drops_finished_partitions_and_keeps_any_with_an_unfinished_job(
     store: PostgresJobStore, settings: Settings
 ) -> None:
-    now = store.now()
-    # Two old days: one all finished, one with a job still pending.
-    done_day, busy_day = now - 20 * DAY, now - 18 * DAY
+    # Two old days: one all finished, one with a job still pending; their
+    # jobs at noon, so that none crosses into the next day's partition.
+    noon = store.now().astimezone(dt.UTC).replace(hour=12, minute=0, second=0, microsecond=0)
+    done_day, busy_day = noon - 20 * DAY, noon - 18 * DAY
     store.load_jobs(
         [new_job(f"done-{i}", done_day + i * dt.timedelta(minutes=1)) for i in range(5)]
     )
@@ -296,12 +290,11 @@ def test_the_look_for_stranded_jobs_in_flight_reads_only_their_indexes(
     )
     with raw(settings) as conn:
         conn.execute(f'ANALYZE "{settings.db_schema}".jobs')
-    loaded = partition_of(settings, "f0")
     sql = str(store.statements.stranded_in_flight.compile(dialect=store.engine.dialect))
     with raw(settings) as conn:
         rows = conn.execute(f"EXPLAIN (COSTS OFF) {sql}", {"p_shards": 1, "p_limit": 500})
         plan = "\n".join(row[0] for row in rows)
-    assert f"Seq Scan on {loaded}" not in plan, plan
+    assert_no_large_partition_read_whole(plan, settings)
     for index in ("jobs_dispatched_idx", "jobs_running_idx", "jobs_retrying_idx"):
         assert f"{index}_" in plan, plan
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -23,14 +22,6 @@ pytestmark = pytest.mark.integration
 
 #: Dispatched jobs in flight, not stale, in the plan test.
 IN_FLIGHT = 20_000
-
-
-@pytest.fixture
-def store(settings: Settings) -> Iterator[PostgresJobStore]:
-    backend = PostgresJobStore(settings)
-    backend.migrate()
-    yield backend
-    backend.close()
 
 
 def dispatch(settings: Settings, keys: dict[str, tuple[float | None, float, int]]) -> None:

@@ -7,28 +7,18 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 from sqlalchemy.engine import Connection
 
 from celery_sched.models import SENT_DUE_MARGIN, JobStatus
-from celery_sched.settings import Settings
 from celery_sched.store.postgres import PostgresJobStore
 from celery_sched.store.postgres.connection import RawStatement, raw_cursor
 from tests.contract.conftest import new_job
 from tests.e2e.harness import wait_for
 
 SECOND = dt.timedelta(seconds=1)
-
-
-@pytest.fixture
-def store(settings: Settings) -> Iterator[PostgresJobStore]:
-    backend = PostgresJobStore(settings)
-    backend.migrate()
-    yield backend
-    backend.close()
 
 
 def a_key_of(shards: int, shard: int) -> str:

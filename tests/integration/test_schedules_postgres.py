@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -22,14 +21,6 @@ from tests.integration import cli_app
 from tests.integration.test_cli import run_sched
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def store(settings: Settings) -> Iterator[PostgresJobStore]:
-    backend = PostgresJobStore(settings)
-    backend.migrate()
-    yield backend
-    backend.close()
 
 
 @pytest.fixture

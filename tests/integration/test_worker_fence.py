@@ -12,7 +12,6 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 from unittest.mock import Mock
 
@@ -30,14 +29,6 @@ from celery_sched.store.postgres import PostgresJobStore, PostgresLedger
 from tests.contract.conftest import new_job
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def store(settings: Settings) -> Iterator[PostgresJobStore]:
-    backend = PostgresJobStore(settings)
-    backend.migrate()
-    yield backend
-    backend.close()
 
 
 @pytest.fixture
