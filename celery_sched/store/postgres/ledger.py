@@ -314,10 +314,11 @@ class PostgresLedger(Ledger):
             partitions = self.store.partitions
             partitions.forget()
             known = partitions.known()
-            self._partitions = (time.monotonic(), [rng.lower for rng in known], known)
+            lowers = [rng.lower for rng in known]
+            self._partitions = (time.monotonic(), lowers, known)
         finally:
             self._partitions_lock.release()
-        at = bisect.bisect_right([rng.lower for rng in known], due_at) - 1
+        at = bisect.bisect_right(lowers, due_at) - 1
         return known[at].name if at >= 0 and known[at].holds(due_at) else None
 
     def _forget_partitions(self) -> None:
